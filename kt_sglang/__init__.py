@@ -1,0 +1,5 @@
+"""kt-sglang: SGLang Mixture-of-Experts serving with cold experts on a NUMA-aware CPU engine."""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"

@@ -1,0 +1,179 @@
+// The only pybind11 file: thin wrappers, no logic. Tensors cross as data pointers; the Python side
+// (kt_sglang.engine) validates dtypes, shapes and devices before calling in.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "kt/cpu_features.h"
+#include "kt/kernels.h"
+#include "kt/moe_layer.h"
+#include "kt/quantize.h"
+#include "kt/runner.h"
+#include "kt/topology.h"
+
+namespace py = pybind11;
+using namespace kt;
+
+namespace {
+
+template <class T>
+T* ptr(uintptr_t p) {
+  return reinterpret_cast<T*>(p);
+}
+
+CanonicalMatrix canonical(Method method, int64_t N, int64_t K, int group, uintptr_t weight,
+                          uintptr_t scales, uintptr_t mins) {
+  CanonicalMatrix m{method, N, K, method == Method::kBf16 ? kKAlign : group};
+  m.weight = ptr<void>(weight), m.scales = ptr<uint16_t>(scales), m.mins = ptr<uint16_t>(mins);
+  return m;
+}
+
+// Scratch shared by the layers of one runner; opaque to Python.
+struct Workspace {
+  std::shared_ptr<MoeWorkspace> impl = make_workspace();
+};
+
+}  // namespace
+
+PYBIND11_MODULE(_native, m) {
+  m.doc() = "kt-sglang native CPU expert engine";
+
+  py::enum_<Method>(m, "Method")
+      .value("BF16", Method::kBf16)
+      .value("AMXINT8", Method::kInt8)
+      .value("AMXINT4", Method::kInt4);
+  py::enum_<DType>(m, "DType")
+      .value("float32", DType::kFloat32)
+      .value("float16", DType::kFloat16)
+      .value("bfloat16", DType::kBFloat16);
+
+  m.def("method_table", [] {
+    py::list out;
+    for (const auto& t : kMethodTable) {
+      py::list groups;
+      for (int g : t.allowed_groups)
+        if (g) groups.append(g);
+      out.append(py::dict(py::arg("method") = t.method, py::arg("name") = t.name,
+                          py::arg("default_group") = t.default_group,
+                          py::arg("allowed_groups") = groups,
+                          py::arg("int8_activations") = t.int8_activations));
+    }
+    return out;
+  });
+  m.def("packed_group_bytes", [](Method method, int group) { return group_bytes(method, group); });
+
+  m.def("cpu_features", [] {
+    const CpuFeatures& f = cpu_features();
+    return py::dict(py::arg("brand") = f.brand, py::arg("avx2") = f.avx2, py::arg("fma") = f.fma,
+                    py::arg("f16c") = f.f16c, py::arg("avx512f") = f.avx512f,
+                    py::arg("avx512bw") = f.avx512bw, py::arg("avx512vl") = f.avx512vl,
+                    py::arg("avx512dq") = f.avx512dq, py::arg("avx512_vnni") = f.avx512_vnni,
+                    py::arg("avx512_bf16") = f.avx512_bf16, py::arg("amx_tile") = f.amx_tile,
+                    py::arg("amx_int8") = f.amx_int8, py::arg("amx_bf16") = f.amx_bf16,
+                    py::arg("os_avx") = f.os_avx, py::arg("os_avx512") = f.os_avx512,
+                    py::arg("os_amx") = f.os_amx, py::arg("amx_permitted") = f.amx_permitted,
+                    py::arg("amx_permission_error") = f.amx_permission_error);
+  });
+  m.def("supported_isas", [] {
+    std::vector<std::string> out;
+    for (Isa isa : supported_isas()) out.emplace_back(isa_name(isa));
+    return out;
+  });
+  m.def("best_isa", [] { return std::string(isa_name(best_isa())); });
+  m.def("selected_isa", [] { return std::string(isa_name(selected_isa())); });
+  m.def("kernel_families", [](const std::string& isa) {
+    const auto parsed = parse_isa(isa);
+    if (!parsed) throw std::invalid_argument("unknown ISA '" + isa + "'");
+    const KernelTable& t = kernel_table(*parsed);
+    return py::dict(py::arg("BF16") = isa_name(t.isa_bf16), py::arg("AMXINT8") = isa_name(t.isa_int8),
+                    py::arg("AMXINT4") = isa_name(t.isa_int4));
+  });
+
+  m.def("topology", [] {
+    const Topology& t = topology();
+    py::list nodes;
+    for (const auto& n : t.nodes)
+      nodes.append(py::dict(py::arg("os_index") = n.os_index, py::arg("cores") = n.cores,
+                            py::arg("memory_bytes") = n.memory_bytes));
+    return py::dict(py::arg("nodes") = nodes, py::arg("hwloc_version") = t.hwloc_version,
+                    py::arg("membind_supported") = t.membind_supported);
+  });
+
+  py::class_<Runner, std::shared_ptr<Runner>>(m, "Runner")
+      .def(py::init([](const std::vector<std::pair<int, std::vector<int>>>& pools) {
+             std::vector<PoolSpec> specs;
+             for (const auto& [node, cpus] : pools) specs.push_back({node, cpus});
+             return std::make_shared<Runner>(std::move(specs));
+           }),
+           py::arg("pools"))
+      .def("sync", &Runner::sync, py::arg("allow_pending") = 0, py::call_guard<py::gil_scoped_release>())
+      .def("pending", &Runner::pending)
+      .def_property_readonly("num_threads", &Runner::num_threads)
+      .def_property_readonly("num_pools", &Runner::num_pools)
+      .def("submit_failing_task",
+           [](Runner& r, const std::string& message) {
+             return r.submit([message](const WorkerContext& ctx) {
+               if (ctx.tid == 0) throw std::runtime_error(message);
+             });
+           },
+           "Enqueues a task that fails with `message` (tests the error path of sync).");
+
+  py::class_<Workspace>(m, "Workspace").def(py::init<>());
+
+  py::class_<MoeLayer>(m, "MoeLayer")
+      .def(py::init([](std::shared_ptr<Runner> runner, const Workspace& ws, int num_experts,
+                       int top_k, int64_t hidden, int64_t intermediate, Method method, int group,
+                       const std::string& isa, int64_t max_chunk_tokens) {
+             const auto parsed = parse_isa(isa);
+             if (!parsed) throw std::invalid_argument("unknown ISA '" + isa + "'");
+             MoeConfig c{num_experts, top_k, hidden, intermediate, method, group, max_chunk_tokens};
+             return std::make_unique<MoeLayer>(c, std::move(runner), ws.impl, *parsed);
+           }),
+           py::arg("runner"), py::arg("workspace"), py::arg("num_experts"), py::arg("top_k"),
+           py::arg("hidden"), py::arg("intermediate"), py::arg("method"), py::arg("group"),
+           py::arg("isa"), py::arg("max_chunk_tokens"))
+      .def("load_dense",
+           [](MoeLayer& l, uintptr_t gate, uintptr_t up, uintptr_t down, DType dtype,
+              int64_t source_experts, const std::vector<int64_t>& slot_to_source) {
+             py::gil_scoped_release release;
+             l.load_dense(ptr<void>(gate), ptr<void>(up), ptr<void>(down), dtype, source_experts,
+                          slot_to_source);
+           })
+      .def("load_canonical",
+           [](MoeLayer& l, const std::vector<std::tuple<uintptr_t, uintptr_t, uintptr_t>>& gate,
+              const std::vector<std::tuple<uintptr_t, uintptr_t, uintptr_t>>& up,
+              const std::vector<std::tuple<uintptr_t, uintptr_t, uintptr_t>>& down) {
+             const MoeConfig& c = l.config();
+             auto build = [&](const auto& src, int64_t N, int64_t K) {
+               std::vector<CanonicalMatrix> out;
+               for (const auto& [w, s, mn] : src) out.push_back(canonical(c.method, N, K, c.group, w, s, mn));
+               return out;
+             };
+             auto g = build(gate, c.intermediate, c.hidden), u = build(up, c.intermediate, c.hidden);
+             auto d = build(down, c.hidden, c.intermediate);
+             py::gil_scoped_release release;
+             l.load_canonical(g, u, d);
+           })
+      .def("submit_forward",
+           [](MoeLayer& l, int64_t tokens, uintptr_t tokens_ptr, uintptr_t hidden, uintptr_t ids,
+              bool ids_int64, uintptr_t weights, uintptr_t mask, uintptr_t out, bool incremental) {
+             ForwardArgs a;
+             a.tokens = tokens, a.tokens_ptr = ptr<const int32_t>(tokens_ptr);
+             a.hidden = ptr<const uint16_t>(hidden), a.expert_ids = ptr<const void>(ids);
+             a.ids_int64 = ids_int64, a.weights = ptr<const float>(weights);
+             a.skip_mask = ptr<const bool>(mask), a.out = ptr<uint16_t>(out), a.incremental = incremental;
+             return l.submit_forward(a);
+           })
+      .def_property_readonly("isa", [](const MoeLayer& l) { return std::string(isa_name(l.isa())); })
+      .def_property_readonly("group", [](const MoeLayer& l) { return l.config().group; })
+      .def_property_readonly("packed_bytes", &MoeLayer::packed_bytes)
+      .def_property_readonly("pool_slices", &MoeLayer::pool_slices);
+
+  m.def("quantize_matrix",
+        [](Method method, int group, uintptr_t src, DType dtype, int64_t N, int64_t K, uintptr_t weight,
+           uintptr_t scales, uintptr_t mins) {
+          CanonicalMatrix dst = canonical(method, N, K, group, weight, scales, mins);
+          py::gil_scoped_release release;
+          quantize_rows(ptr<const void>(src), dtype, dst, 0, N);
+        },
+        "Quantizes a dense [N, K] matrix into caller-allocated canonical tensors (quantize.h).");
+}

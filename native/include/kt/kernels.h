@@ -1,0 +1,58 @@
+// The kernel table: one entry per operation, filled once from the chosen ISA (dispatch.cpp), each
+// entry falling back to a lower ISA where a family has no version of its own.
+#pragma once
+
+#include <cstdint>
+
+#include "kt/cpu_features.h"
+
+namespace kt {
+
+// Rows of int8 activations quantized per (row, group): a ~= scale * q, and scaled_sum = scale * sum(q)
+// over the group (it carries the weights' zero points).
+struct QuantRows {
+  const int8_t* const* q;        // m row pointers, K int8 each
+  const float* const* scale;     // m row pointers, K / group floats each
+  const float* const* scaled_sum;
+};
+
+// C[i][j] for rows i < m and channels j < 16 * npanels of the consecutive panels starting at
+// `panels` (layout in quant_types.h), K a multiple of the group; written, not accumulated.
+using GemmBf16Fn = void (*)(int m, int64_t K, const uint16_t* const* a, const uint8_t* panels,
+                            int npanels, float* c, int64_t ldc);
+using GemmQuantFn = void (*)(int m, int64_t K, int group, const QuantRows& a,
+                             const uint8_t* panels, int npanels, float* c, int64_t ldc);
+
+struct KernelTable {
+  Isa isa;
+  GemmBf16Fn gemm_bf16;
+  GemmQuantFn gemm_int8;
+  GemmQuantFn gemm_int4;
+  // Which family each entry comes from (for doctor and tests).
+  Isa isa_bf16, isa_int8, isa_int4;
+};
+
+// Table for `isa` (which must be supported by this CPU).
+const KernelTable& kernel_table(Isa isa);
+// The ISA chosen for this process: best supported, or KT_SGLANG_ISA when set (an unknown or
+// unsupported value throws with a message naming the variable).
+Isa selected_isa();
+
+namespace kernels {
+#define KT_DECLARE_KERNELS(ns)                                                                    \
+  namespace ns {                                                                                  \
+  void gemm_bf16(int m, int64_t K, const uint16_t* const* a, const uint8_t* panels, int npanels, \
+                 float* c, int64_t ldc);                                                          \
+  void gemm_int8(int m, int64_t K, int group, const QuantRows& a, const uint8_t* panels,          \
+                 int npanels, float* c, int64_t ldc);                                             \
+  void gemm_int4(int m, int64_t K, int group, const QuantRows& a, const uint8_t* panels,          \
+                 int npanels, float* c, int64_t ldc);                                             \
+  }
+KT_DECLARE_KERNELS(scalar)
+KT_DECLARE_KERNELS(avx2)
+KT_DECLARE_KERNELS(avx512)
+KT_DECLARE_KERNELS(amx)
+#undef KT_DECLARE_KERNELS
+}  // namespace kernels
+
+}  // namespace kt

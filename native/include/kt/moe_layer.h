@@ -1,0 +1,88 @@
+// One MoE layer's experts on the CPU: packed weights per pool and the forward task.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "kt/kernels.h"
+#include "kt/quantize.h"
+#include "kt/runner.h"
+
+namespace kt {
+
+struct MoeConfig {
+  int num_experts = 0;
+  int top_k = 0;
+  int64_t hidden = 0;
+  int64_t intermediate = 0;
+  Method method = Method::kBf16;
+  int group = 0;                  // 0: the method's default
+  int64_t max_chunk_tokens = 4096;  // prefill is computed in chunks of this many tokens
+};
+
+// Scratch shared by every layer on one runner (tasks run one at a time). Grows, never shrinks.
+struct MoeWorkspace;
+
+struct ForwardArgs {
+  int64_t tokens = 0;                // used when tokens_ptr is null
+  const int32_t* tokens_ptr = nullptr;  // read when the task runs (one captured graph, any batch)
+  const uint16_t* hidden = nullptr;  // bf16 [tokens, hidden]
+  const void* expert_ids = nullptr;  // int32 or int64 [tokens, top_k]; -1 = skip
+  bool ids_int64 = false;
+  const float* weights = nullptr;    // fp32 [tokens, top_k]
+  const bool* skip_mask = nullptr;   // [num_experts], true = not computed here; may be null
+  uint16_t* out = nullptr;           // bf16 [tokens, hidden]
+  bool incremental = false;          // add to out instead of writing it
+};
+
+class MoeLayer {
+ public:
+  MoeLayer(const MoeConfig& config, std::shared_ptr<Runner> runner,
+           std::shared_ptr<MoeWorkspace> workspace, Isa isa);
+  ~MoeLayer();
+  MoeLayer(const MoeLayer&) = delete;
+  MoeLayer& operator=(const MoeLayer&) = delete;
+
+  const MoeConfig& config() const { return config_; }
+  Isa isa() const { return table_.isa; }
+  bool loaded() const { return loaded_; }
+
+  // Dense expert weights gate/up [E_src, I, H], down [E_src, H, I] of one float dtype; slot e
+  // takes source expert slot_to_source[e] (identity when empty). Quantized and packed in parallel
+  // on the pools; blocks until done.
+  void load_dense(const void* gate, const void* up, const void* down, DType dtype,
+                  int64_t source_experts, const std::vector<int64_t>& slot_to_source);
+  // Already-quantized canonical matrices, one per slot and projection (see quantize.h).
+  void load_canonical(const std::vector<CanonicalMatrix>& gate, const std::vector<CanonicalMatrix>& up,
+                      const std::vector<CanonicalMatrix>& down);
+
+  // Validates, then enqueues the forward on the runner and returns at once.
+  uint64_t submit_forward(const ForwardArgs& args);
+
+  // Bytes of packed weights (all pools).
+  int64_t packed_bytes() const;
+  // Per pool: [i_begin, i_end) slice of the (padded) intermediate dimension.
+  std::vector<std::pair<int64_t, int64_t>> pool_slices() const;
+
+  struct PoolWeights;
+
+ private:
+  void pack_expert(int slot, const CanonicalMatrix& gate, const CanonicalMatrix& up,
+                   const CanonicalMatrix& down);
+  void forward_task(const ForwardArgs& args, const WorkerContext& ctx);
+
+  MoeConfig config_;
+  std::shared_ptr<Runner> runner_;
+  std::shared_ptr<MoeWorkspace> workspace_;
+  const KernelTable& table_;
+  int group_;
+  int64_t hidden_padded_;  // K of gate/up, multiple of the group and of 64
+  std::vector<std::unique_ptr<PoolWeights>> pools_;
+  bool loaded_ = false;
+};
+
+std::shared_ptr<MoeWorkspace> make_workspace();
+
+}  // namespace kt

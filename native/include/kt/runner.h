@@ -1,0 +1,105 @@
+// The worker pools and the asynchronous task runner.
+//
+// `threads` workers in total, grouped into pools (one per NUMA node, or several on one node), each
+// pinned to a core. There is no extra dispatcher thread: worker 0 takes the next task from the
+// queue and every worker runs it, so never more than `threads` threads are busy. Idle workers spin
+// briefly, then park on a futex. Callers of sync() sleep.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace kt {
+
+struct PoolSpec {
+  int node = 0;           // NUMA node (OS index) whose memory the pool uses
+  std::vector<int> cpus;  // one worker per entry, pinned to that OS cpu
+};
+
+class SpinBarrier {
+ public:
+  explicit SpinBarrier(int count = 1) : count_(count) {}
+  void reset(int count) { count_ = count; }
+  void arrive_and_wait();
+
+ private:
+  int count_;
+  alignas(64) std::atomic<int> arrived_{0};
+  alignas(64) std::atomic<uint32_t> generation_{0};
+};
+
+class Runner;
+
+// What one worker sees while it runs a task.
+struct WorkerContext {
+  int tid;           // 0 .. threads-1
+  int pool;          // 0 .. pools-1
+  int rank_in_pool;  // 0 .. pool_size-1
+  int pool_size;
+  int num_threads;
+  Runner* runner;
+  void barrier() const;       // all workers
+  void pool_barrier() const;  // the workers of this pool
+};
+
+// Every worker calls the task once; it returns when this worker's share is done. A task must reach
+// its own barriers on every worker even when part of it fails: catch, record, go on.
+using Task = std::function<void(const WorkerContext&)>;
+
+class Runner {
+ public:
+  explicit Runner(std::vector<PoolSpec> pools);
+  ~Runner();
+  Runner(const Runner&) = delete;
+  Runner& operator=(const Runner&) = delete;
+
+  // Enqueues a task and returns at once; tasks run in submission order. Returns its sequence number.
+  uint64_t submit(Task task);
+  // Waits until at most `allow_pending` tasks are queued or running, then rethrows the first error
+  // any finished task recorded (once).
+  void sync(int64_t allow_pending = 0);
+  // Submits and waits for this one task (and those before it).
+  void run(Task task);
+  int64_t pending() const;
+
+  // Called by tasks to report a failure; the first one surfaces at sync().
+  void record_error(std::exception_ptr error);
+
+  int num_threads() const { return static_cast<int>(workers_.size()); }
+  int num_pools() const { return static_cast<int>(pools_.size()); }
+  const PoolSpec& pool(int p) const { return pools_[p]; }
+  static int spin_microseconds();
+
+ private:
+  friend struct WorkerContext;
+  void worker_main(int tid, int pool, int rank);
+
+  std::vector<PoolSpec> pools_;
+  std::vector<std::thread> workers_;
+  SpinBarrier all_barrier_;
+  std::vector<std::unique_ptr<SpinBarrier>> pool_barriers_;
+
+  mutable std::mutex mutex_;
+  std::condition_variable queue_cv_;  // worker 0 waits for tasks
+  std::condition_variable done_cv_;   // callers of sync() wait for completions
+  std::deque<Task> queue_;
+  std::atomic<uint64_t> submitted_{0};
+  std::atomic<uint64_t> completed_{0};
+  std::exception_ptr first_error_;
+  bool stopping_ = false;
+
+  Task current_;  // written by worker 0 before it bumps epoch_
+  alignas(64) std::atomic<uint64_t> epoch_{0};
+  std::atomic<bool> stop_{false};
+};
+
+}  // namespace kt

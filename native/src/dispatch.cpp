@@ -1,0 +1,62 @@
+// One kernel table per ISA, filled once. An entry a family lacks (or a feature the CPU lacks within
+// that family, e.g. AVX-512 without VNNI) falls back to the next lower family.
+#include <cstdlib>
+#include <stdexcept>
+#include <string>
+
+#include "kt/kernels.h"
+
+namespace kt {
+
+namespace {
+
+KernelTable make_table(Isa isa) {
+  const CpuFeatures& f = cpu_features();
+  KernelTable t{Isa::kScalar, kernels::scalar::gemm_bf16, kernels::scalar::gemm_int8,
+                kernels::scalar::gemm_int4, Isa::kScalar, Isa::kScalar, Isa::kScalar};
+  t.isa = isa;
+  if (isa >= Isa::kAvx2) {
+    t.gemm_bf16 = kernels::avx2::gemm_bf16, t.isa_bf16 = Isa::kAvx2;
+    t.gemm_int8 = kernels::avx2::gemm_int8, t.isa_int8 = Isa::kAvx2;
+    t.gemm_int4 = kernels::avx2::gemm_int4, t.isa_int4 = Isa::kAvx2;
+  }
+  if (isa >= Isa::kAvx512) {
+    if (f.avx512_bf16) t.gemm_bf16 = kernels::avx512::gemm_bf16, t.isa_bf16 = Isa::kAvx512;
+    if (f.avx512_vnni) {
+      t.gemm_int8 = kernels::avx512::gemm_int8, t.isa_int8 = Isa::kAvx512;
+      t.gemm_int4 = kernels::avx512::gemm_int4, t.isa_int4 = Isa::kAvx512;
+    }
+  }
+  if (isa >= Isa::kAmx) {
+    t.gemm_bf16 = kernels::amx::gemm_bf16, t.isa_bf16 = Isa::kAmx;
+    t.gemm_int8 = kernels::amx::gemm_int8, t.isa_int8 = Isa::kAmx;
+    t.gemm_int4 = kernels::amx::gemm_int4, t.isa_int4 = Isa::kAmx;
+  }
+  return t;
+}
+
+}  // namespace
+
+const KernelTable& kernel_table(Isa isa) {
+  static const KernelTable tables[] = {make_table(Isa::kScalar), make_table(Isa::kAvx2),
+                                       make_table(Isa::kAvx512), make_table(Isa::kAmx)};
+  if (!isa_supported(isa))
+    throw std::invalid_argument(std::string("this CPU cannot run the '") + isa_name(isa) + "' kernels");
+  return tables[static_cast<int>(isa)];
+}
+
+Isa selected_isa() {
+  const char* env = std::getenv("KT_SGLANG_ISA");
+  if (!env || !*env) return best_isa();
+  const auto isa = parse_isa(env);
+  if (!isa)
+    throw std::invalid_argument(std::string("KT_SGLANG_ISA='") + env +
+                                "' is not an ISA path: use scalar, avx2, avx512 or amx");
+  if (!isa_supported(*isa))
+    throw std::invalid_argument(std::string("KT_SGLANG_ISA='") + env +
+                                "' asks for a path this CPU cannot run (best here: " +
+                                isa_name(best_isa()) + ")");
+  return *isa;
+}
+
+}  // namespace kt

@@ -1,0 +1,10 @@
+#include "qgemm-inl.h"
+
+namespace kt::kernels::avx2 {
+
+void gemm_int4(int m, int64_t K, int group, const QuantRows& a, const uint8_t* panels, int npanels,
+               float* c, int64_t ldc) {
+  gemm_quant<Method::kInt4>(m, K, group, a, panels, npanels, c, ldc);
+}
+
+}  // namespace kt::kernels::avx2

@@ -1,0 +1,474 @@
+#include "kt/moe_layer.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+#include "kt/packing.h"
+#include "kt/topology.h"
+
+namespace kt {
+
+namespace {
+
+constexpr int kRowChunk = 256;   // rows per kernel call: bounds per-thread scratch
+constexpr int kDownPanels = 4;   // output channels per down work item: 4 x 16
+constexpr int kMaxPools = 64;
+
+template <class T>
+void grow(std::vector<T>& v, size_t n) {
+  if (v.size() < n) v.resize(n);
+}
+
+float silu(float x) { return x / (1.0f + std::exp(-x)); }
+
+struct alignas(64) PaddedCounter {
+  std::atomic<int64_t> value{0};
+};
+
+// Takes work items [0, n) from a shared counter until none are left.
+template <class F>
+void for_each_item(std::atomic<int64_t>& counter, int64_t n, F&& body) {
+  for (int64_t i = counter.fetch_add(1, std::memory_order_relaxed); i < n;
+       i = counter.fetch_add(1, std::memory_order_relaxed))
+    body(i);
+}
+
+}  // namespace
+
+struct MoeWorkspace {
+  // Routing of the current chunk: rows grouped by expert.
+  int64_t tokens = 0;
+  std::vector<int64_t> counts, offsets;  // [E], [E + 1]
+  std::vector<int> active;               // experts with at least one row
+  std::vector<int32_t> row_token;        // chunk-local token of each row
+  std::vector<float> row_weight;
+  bool abort = false;
+  // Activations of the chunk's tokens: int8 + scales, or bf16.
+  std::vector<int8_t> x_q;
+  std::vector<float> x_scale, x_sum;
+  std::vector<uint16_t> x_bf16;
+  struct PoolScratch {
+    std::vector<int8_t> h_q;
+    std::vector<float> h_scale, h_sum;
+    std::vector<uint16_t> h_bf16;
+    std::vector<float> y;  // fp32 partial output [tokens, hidden padded to 16]
+  };
+  std::vector<PoolScratch> pools;
+  PaddedCounter phase_counter[kMaxPools][3];
+  PaddedCounter load_counter;
+};
+
+std::shared_ptr<MoeWorkspace> make_workspace() { return std::make_shared<MoeWorkspace>(); }
+
+struct MoeLayer::PoolWeights {
+  int node = 0;
+  int64_t i_begin = 0, i_end = 0;
+  PackRegion gate_region, down_region;
+  int64_t gate_bytes = 0, down_bytes = 0;  // per expert (up has gate's size)
+  size_t alloc_bytes = 0, down_alloc_bytes = 0;  // all experts, on the pool's node
+  uint8_t* gate = nullptr;
+  uint8_t* up = nullptr;
+  uint8_t* down = nullptr;
+  ~PoolWeights() {
+    free_on_node(gate, alloc_bytes);
+    free_on_node(up, alloc_bytes);
+    free_on_node(down, down_alloc_bytes);
+  }
+};
+
+MoeLayer::MoeLayer(const MoeConfig& config, std::shared_ptr<Runner> runner,
+                   std::shared_ptr<MoeWorkspace> workspace, Isa isa)
+    : config_(config), runner_(std::move(runner)), workspace_(std::move(workspace)),
+      table_(kernel_table(isa)) {
+  const MethodTraits& traits = method_traits(config_.method);
+  group_ = config_.group == 0 ? traits.default_group : config_.group;
+  if (!group_allowed(config_.method, group_))
+    throw std::invalid_argument("group size " + std::to_string(group_) + " is not allowed for " +
+                                traits.name + ": use 32, 64 or 128");
+  if (config_.num_experts < 1 || config_.top_k < 1 || config_.top_k > config_.num_experts)
+    throw std::invalid_argument("need 1 <= top_k <= num_experts");
+  if (config_.hidden < 1 || config_.intermediate < 1)
+    throw std::invalid_argument("hidden_size and intermediate_size must be positive");
+  if (config_.max_chunk_tokens < 1) throw std::invalid_argument("max_chunk_tokens must be positive");
+  if (runner_->num_pools() > kMaxPools) throw std::invalid_argument("at most 64 pools");
+  config_.group = group_;
+  const int64_t unit = std::max<int64_t>(group_, kKAlign);
+  hidden_padded_ = round_up(config_.hidden, unit);
+  const int64_t units = round_up(config_.intermediate, unit) / unit;
+  const int P = runner_->num_pools();
+  const int64_t E = config_.num_experts;
+  for (int p = 0; p < P; ++p) {
+    auto pw = std::make_unique<PoolWeights>();
+    pw->node = runner_->pool(p).node;
+    pw->i_begin = units * p / P * unit;
+    pw->i_end = units * (p + 1) / P * unit;
+    const int64_t slice = pw->i_end - pw->i_begin;
+    pw->gate_region = {pw->i_begin, slice, 0, hidden_padded_};
+    pw->down_region = {0, round_up(config_.hidden, kPanelWidth), pw->i_begin, slice};
+    pw->gate_bytes = packed_matrix_bytes(config_.method, group_, pw->gate_region);
+    pw->down_bytes = packed_matrix_bytes(config_.method, group_, pw->down_region);
+    pw->alloc_bytes = static_cast<size_t>(pw->gate_bytes * E);
+    pw->down_alloc_bytes = static_cast<size_t>(pw->down_bytes * E);
+    pw->gate = static_cast<uint8_t*>(alloc_on_node(pw->alloc_bytes, pw->node));
+    pw->up = static_cast<uint8_t*>(alloc_on_node(pw->alloc_bytes, pw->node));
+    pw->down = static_cast<uint8_t*>(alloc_on_node(pw->down_alloc_bytes, pw->node));
+    pools_.push_back(std::move(pw));
+  }
+}
+
+MoeLayer::~MoeLayer() = default;
+
+int64_t MoeLayer::packed_bytes() const {
+  int64_t total = 0;
+  for (const auto& p : pools_) total += (2 * p->gate_bytes + p->down_bytes) * config_.num_experts;
+  return total;
+}
+
+std::vector<std::pair<int64_t, int64_t>> MoeLayer::pool_slices() const {
+  std::vector<std::pair<int64_t, int64_t>> out;
+  for (const auto& p : pools_) out.emplace_back(p->i_begin, p->i_end);
+  return out;
+}
+
+void MoeLayer::pack_expert(int slot, const CanonicalMatrix& gate, const CanonicalMatrix& up,
+                           const CanonicalMatrix& down) {
+  for (const auto& pw : pools_) {
+    const int64_t gp = pw->gate_region.rows / kPanelWidth, dp = pw->down_region.rows / kPanelWidth;
+    if (pw->gate_region.rows > 0) {
+      pack_panels(gate, pw->gate_region, 0, gp, pw->gate + slot * pw->gate_bytes);
+      pack_panels(up, pw->gate_region, 0, gp, pw->up + slot * pw->gate_bytes);
+    }
+    if (pw->down_region.cols > 0) pack_panels(down, pw->down_region, 0, dp, pw->down + slot * pw->down_bytes);
+  }
+}
+
+namespace {
+
+// A canonical matrix with storage of its own.
+struct OwnedCanonical {
+  CanonicalMatrix m;
+  std::vector<uint8_t> weight;
+  std::vector<uint16_t> scales, mins;
+  void reset(Method method, int64_t N, int64_t K, int group) {
+    m = CanonicalMatrix{method, N, K, method == Method::kBf16 ? kKAlign : group};
+    grow(weight, static_cast<size_t>(N * m.weight_row_bytes()));
+    grow(scales, static_cast<size_t>(N * m.num_groups()));
+    grow(mins, static_cast<size_t>(N * m.num_groups()));
+    m.weight = weight.data(), m.scales = scales.data(), m.mins = mins.data();
+  }
+};
+
+}  // namespace
+
+void MoeLayer::load_dense(const void* gate, const void* up, const void* down, DType dtype,
+                          int64_t source_experts, const std::vector<int64_t>& slot_to_source) {
+  const int64_t E = config_.num_experts, I = config_.intermediate, H = config_.hidden;
+  if (!slot_to_source.empty() && static_cast<int64_t>(slot_to_source.size()) != E)
+    throw std::invalid_argument("physical_to_logical_map must have num_experts entries");
+  for (int64_t s : slot_to_source)
+    if (s < 0 || s >= source_experts)
+      throw std::invalid_argument("physical_to_logical_map entry " + std::to_string(s) +
+                                  " is outside the " + std::to_string(source_experts) + " source experts");
+  if (slot_to_source.empty() && source_experts < E)
+    throw std::invalid_argument("weights hold fewer experts than num_experts");
+  const int64_t elem = dtype == DType::kFloat32 ? 4 : 2;
+  auto& counter = workspace_->load_counter.value;
+  counter.store(0);
+  runner_->run([&](const WorkerContext& ctx) {
+    OwnedCanonical g, u, d;
+    for_each_item(counter, E, [&](int64_t slot) {
+      const int64_t src = slot_to_source.empty() ? slot : slot_to_source[slot];
+      g.reset(config_.method, I, H, group_);
+      u.reset(config_.method, I, H, group_);
+      d.reset(config_.method, H, I, group_);
+      quantize_rows(static_cast<const char*>(gate) + src * I * H * elem, dtype, g.m, 0, I);
+      quantize_rows(static_cast<const char*>(up) + src * I * H * elem, dtype, u.m, 0, I);
+      quantize_rows(static_cast<const char*>(down) + src * H * I * elem, dtype, d.m, 0, H);
+      pack_expert(static_cast<int>(slot), g.m, u.m, d.m);
+    });
+  });
+  loaded_ = true;
+}
+
+void MoeLayer::load_canonical(const std::vector<CanonicalMatrix>& gate,
+                              const std::vector<CanonicalMatrix>& up,
+                              const std::vector<CanonicalMatrix>& down) {
+  const int64_t E = config_.num_experts, I = config_.intermediate, H = config_.hidden;
+  if (static_cast<int64_t>(gate.size()) != E || static_cast<int64_t>(up.size()) != E ||
+      static_cast<int64_t>(down.size()) != E)
+    throw std::invalid_argument("need one canonical gate, up and down matrix per expert");
+  auto check = [&](const CanonicalMatrix& m, int64_t N, int64_t K, const char* what) {
+    const int group = config_.method == Method::kBf16 ? kKAlign : group_;
+    if (m.method != config_.method || m.N != N || m.K != K || m.group != group || !m.weight ||
+        (config_.method != Method::kBf16 && !m.scales) || (config_.method == Method::kInt4 && !m.mins))
+      throw std::invalid_argument(std::string(what) + ": canonical matrix does not match the layer (method, shape [" +
+                                  std::to_string(N) + ", " + std::to_string(K) + "], group " +
+                                  std::to_string(group) + ")");
+  };
+  for (int64_t e = 0; e < E; ++e) {
+    check(gate[e], I, H, "gate"), check(up[e], I, H, "up"), check(down[e], H, I, "down");
+  }
+  auto& counter = workspace_->load_counter.value;
+  counter.store(0);
+  runner_->run([&](const WorkerContext&) {
+    for_each_item(counter, E, [&](int64_t e) {
+      pack_expert(static_cast<int>(e), gate[e], up[e], down[e]);
+    });
+  });
+  loaded_ = true;
+}
+
+uint64_t MoeLayer::submit_forward(const ForwardArgs& args) {
+  if (!loaded_) throw std::runtime_error("forward before the weights were loaded");
+  if (!args.hidden || !args.expert_ids || !args.weights || !args.out)
+    throw std::invalid_argument("forward: null hidden_states, expert ids, weights or output");
+  if (!args.tokens_ptr && args.tokens < 0) throw std::invalid_argument("forward: negative token count");
+  ForwardArgs copy = args;
+  return runner_->submit([this, copy](const WorkerContext& ctx) { forward_task(copy, ctx); });
+}
+
+void MoeLayer::forward_task(const ForwardArgs& args, const WorkerContext& ctx) {
+  MoeWorkspace& ws = *workspace_;
+  const int E = config_.num_experts, K = config_.top_k;
+  const int64_t H = config_.hidden, Hp = hidden_padded_, Hy = round_up(H, kPanelWidth);
+  const bool quantized = config_.method != Method::kBf16;
+  const int G = group_;
+  const int Gh = quantized ? G : kKAlign;  // columns of h per gate/up work item
+  const int P = static_cast<int>(pools_.size());
+  const GemmQuantFn gemm_q = config_.method == Method::kInt8 ? table_.gemm_int8 : table_.gemm_int4;
+
+  // Records a failure and lets every worker reach the same barriers.
+  auto guarded = [&](auto&& body) {
+    try {
+      body();
+    } catch (...) {
+      runner_->record_error(std::current_exception());
+    }
+  };
+
+  if (ctx.tid == 0) {
+    ws.abort = false;
+    ws.tokens = args.tokens_ptr ? *args.tokens_ptr : args.tokens;
+    if (ws.tokens < 0) {
+      ws.abort = true;
+      runner_->record_error(std::make_exception_ptr(
+          std::invalid_argument("forward: the batch size read at run time is negative")));
+    }
+    grow(ws.pools, static_cast<size_t>(P));
+  }
+  ctx.barrier();
+  if (ws.abort) return;
+  const int64_t T = ws.tokens;
+
+  for (int64_t c0 = 0; c0 < T; c0 += config_.max_chunk_tokens) {
+    const int64_t Tc = std::min(config_.max_chunk_tokens, T - c0);
+    if (ctx.tid == 0) {
+      guarded([&] {
+        // Route: rows grouped by expert, tokens in order within an expert.
+        ws.counts.assign(E, 0);
+        auto id_at = [&](int64_t t, int j) -> int64_t {
+          const int64_t i = (c0 + t) * K + j;
+          return args.ids_int64 ? static_cast<const int64_t*>(args.expert_ids)[i]
+                                : static_cast<const int32_t*>(args.expert_ids)[i];
+        };
+        for (int64_t t = 0; t < Tc && !ws.abort; ++t)
+          for (int j = 0; j < K; ++j) {
+            const int64_t e = id_at(t, j);
+            if (e < -1 || e >= E) {
+              ws.abort = true;
+              throw std::invalid_argument("expert id " + std::to_string(e) + " at token " +
+                                          std::to_string(c0 + t) + ", slot " + std::to_string(j) +
+                                          " is outside [-1, " + std::to_string(E) + ")");
+            }
+            if (e >= 0 && !(args.skip_mask && args.skip_mask[e])) ++ws.counts[e];
+          }
+        ws.offsets.assign(E + 1, 0);
+        ws.active.clear();
+        for (int e = 0; e < E; ++e) {
+          ws.offsets[e + 1] = ws.offsets[e] + ws.counts[e];
+          if (ws.counts[e] > 0) ws.active.push_back(e);
+        }
+        const int64_t R = ws.offsets[E];
+        grow(ws.row_token, R), grow(ws.row_weight, R);
+        std::vector<int64_t> fill(ws.offsets.begin(), ws.offsets.end() - 1);
+        for (int64_t t = 0; t < Tc; ++t)
+          for (int j = 0; j < K; ++j) {
+            const int64_t e = id_at(t, j);
+            if (e < 0 || (args.skip_mask && args.skip_mask[e])) continue;
+            const int64_t r = fill[e]++;
+            ws.row_token[r] = static_cast<int32_t>(t);
+            ws.row_weight[r] = args.weights[(c0 + t) * K + j];
+          }
+        if (quantized) {
+          grow(ws.x_q, Tc * Hp), grow(ws.x_scale, Tc * Hp / G), grow(ws.x_sum, Tc * Hp / G);
+        } else {
+          grow(ws.x_bf16, Tc * Hp);
+        }
+        for (int p = 0; p < P; ++p) {
+          auto& ps = ws.pools[p];
+          const int64_t slice = pools_[p]->i_end - pools_[p]->i_begin;
+          if (quantized) {
+            grow(ps.h_q, R * slice), grow(ps.h_scale, R * slice / G), grow(ps.h_sum, R * slice / G);
+          } else {
+            grow(ps.h_bf16, R * slice);
+          }
+          grow(ps.y, Tc * Hy);
+          for (auto& c : ws.phase_counter[p]) c.value.store(0);
+        }
+      });
+      if (!ws.abort && ws.offsets.size() != static_cast<size_t>(E + 1)) ws.abort = true;
+    }
+    ctx.barrier();
+    if (ws.abort) return;
+    const int64_t R = ws.offsets[E];
+
+    // Phase 1: quantize (or pad) each token's input once for all its experts; clear the sums.
+    guarded([&] {
+      thread_local std::vector<float> row;
+      grow(row, Hp);
+      for (int64_t t = ctx.tid; t < Tc; t += ctx.num_threads) {
+        const uint16_t* x = args.hidden + (c0 + t) * H;
+        if (quantized) {
+          for (int64_t i = 0; i < H; ++i) row[i] = bf16_to_float(x[i]);
+          std::fill(row.begin() + H, row.begin() + Hp, 0.0f);
+          quantize_activation_row(row.data(), Hp, G, ws.x_q.data() + t * Hp,
+                                  ws.x_scale.data() + t * (Hp / G), ws.x_sum.data() + t * (Hp / G));
+        } else {
+          std::memcpy(ws.x_bf16.data() + t * Hp, x, H * 2);
+          std::fill(ws.x_bf16.begin() + t * Hp + H, ws.x_bf16.begin() + (t + 1) * Hp, uint16_t{0});
+        }
+        for (int p = 0; p < P; ++p) std::fill_n(ws.pools[p].y.data() + t * Hy, Hy, 0.0f);
+      }
+    });
+    ctx.barrier();
+
+    const PoolWeights& pw = *pools_[ctx.pool];
+    auto& ps = ws.pools[ctx.pool];
+    const int64_t slice = pw.i_end - pw.i_begin;
+    const int64_t slice_groups = slice / Gh;
+    thread_local std::vector<const void*> ptr_q, ptr_s, ptr_m;
+    thread_local std::vector<float> c_gate, c_up, h_row;
+    grow(ptr_q, kRowChunk), grow(ptr_s, kRowChunk), grow(ptr_m, kRowChunk);
+
+    // Phase 2 (per pool): h = silu(x Wg^T) * (x Wu^T) for one expert and one group of columns,
+    // quantized per (row, group) as soon as it is complete.
+    guarded([&] {
+      grow(c_gate, kRowChunk * Gh), grow(c_up, kRowChunk * Gh), grow(h_row, Gh);
+      const int64_t gate_panel = panel_bytes(config_.method, G, Hp);
+      const int npan = Gh / kPanelWidth;
+      const int64_t items = static_cast<int64_t>(ws.active.size()) * slice_groups;
+      for_each_item(ws.phase_counter[ctx.pool][0].value, items, [&](int64_t item) {
+        const int e = ws.active[item / slice_groups];
+        const int64_t gl = item % slice_groups;
+        const int64_t off = gl * npan * gate_panel;
+        const uint8_t* wg = pw.gate + e * pw.gate_bytes + off;
+        const uint8_t* wu = pw.up + e * pw.gate_bytes + off;
+        for (int64_t r0 = ws.offsets[e]; r0 < ws.offsets[e + 1]; r0 += kRowChunk) {
+          const int m = static_cast<int>(std::min<int64_t>(kRowChunk, ws.offsets[e + 1] - r0));
+          for (int i = 0; i < m; ++i) {
+            const int64_t t = ws.row_token[r0 + i];
+            if (quantized) {
+              ptr_q[i] = ws.x_q.data() + t * Hp;
+              ptr_s[i] = ws.x_scale.data() + t * (Hp / G);
+              ptr_m[i] = ws.x_sum.data() + t * (Hp / G);
+            } else {
+              ptr_q[i] = ws.x_bf16.data() + t * Hp;
+            }
+          }
+          if (quantized) {
+            const QuantRows a{reinterpret_cast<const int8_t* const*>(ptr_q.data()),
+                              reinterpret_cast<const float* const*>(ptr_s.data()),
+                              reinterpret_cast<const float* const*>(ptr_m.data())};
+            gemm_q(m, Hp, G, a, wg, npan, c_gate.data(), Gh);
+            gemm_q(m, Hp, G, a, wu, npan, c_up.data(), Gh);
+          } else {
+            const auto* a = reinterpret_cast<const uint16_t* const*>(ptr_q.data());
+            table_.gemm_bf16(m, Hp, a, wg, npan, c_gate.data(), Gh);
+            table_.gemm_bf16(m, Hp, a, wu, npan, c_up.data(), Gh);
+          }
+          for (int i = 0; i < m; ++i) {
+            const int64_t r = r0 + i;
+            const float* cg = c_gate.data() + i * Gh;
+            const float* cu = c_up.data() + i * Gh;
+            if (quantized) {
+              for (int j = 0; j < Gh; ++j) h_row[j] = silu(cg[j]) * cu[j];
+              quantize_activation_row(h_row.data(), Gh, G, ps.h_q.data() + r * slice + gl * Gh,
+                                      ps.h_scale.data() + r * (slice / G) + gl,
+                                      ps.h_sum.data() + r * (slice / G) + gl);
+            } else {
+              uint16_t* h = ps.h_bf16.data() + r * slice + gl * Gh;
+              for (int j = 0; j < Gh; ++j) h[j] = float_to_bf16(silu(cg[j]) * cu[j]);
+            }
+          }
+        }
+      });
+    });
+    ctx.pool_barrier();
+
+    // Phase 3 (per pool): y[token, block] += weight * (h Wd^T)[block], one block of output
+    // channels for every expert, so no two workers write the same element.
+    guarded([&] {
+      if (slice == 0) return;
+      const int64_t down_panel = panel_bytes(config_.method, G, slice);
+      const int64_t panels = Hy / kPanelWidth;
+      const int64_t blocks = (panels + kDownPanels - 1) / kDownPanels;
+      const int ldc = kDownPanels * kPanelWidth;
+      grow(c_gate, kRowChunk * ldc);
+      for_each_item(ws.phase_counter[ctx.pool][1].value, blocks, [&](int64_t b) {
+        const int64_t p0 = b * kDownPanels;
+        const int npan = static_cast<int>(std::min<int64_t>(kDownPanels, panels - p0));
+        for (int e : ws.active) {
+          const uint8_t* wd = pw.down + e * pw.down_bytes + p0 * down_panel;
+          for (int64_t r0 = ws.offsets[e]; r0 < ws.offsets[e + 1]; r0 += kRowChunk) {
+            const int m = static_cast<int>(std::min<int64_t>(kRowChunk, ws.offsets[e + 1] - r0));
+            for (int i = 0; i < m; ++i) {
+              const int64_t r = r0 + i;
+              if (quantized) {
+                ptr_q[i] = ps.h_q.data() + r * slice;
+                ptr_s[i] = ps.h_scale.data() + r * (slice / G);
+                ptr_m[i] = ps.h_sum.data() + r * (slice / G);
+              } else {
+                ptr_q[i] = ps.h_bf16.data() + r * slice;
+              }
+            }
+            if (quantized) {
+              const QuantRows a{reinterpret_cast<const int8_t* const*>(ptr_q.data()),
+                                reinterpret_cast<const float* const*>(ptr_s.data()),
+                                reinterpret_cast<const float* const*>(ptr_m.data())};
+              gemm_q(m, slice, G, a, wd, npan, c_gate.data(), ldc);
+            } else {
+              table_.gemm_bf16(m, slice, reinterpret_cast<const uint16_t* const*>(ptr_q.data()), wd,
+                               npan, c_gate.data(), ldc);
+            }
+            for (int i = 0; i < m; ++i) {
+              const float w = ws.row_weight[r0 + i];
+              float* y = ps.y.data() + ws.row_token[r0 + i] * Hy + p0 * kPanelWidth;
+              const float* c = c_gate.data() + i * ldc;
+              for (int j = 0; j < npan * kPanelWidth; ++j) y[j] += w * c[j];
+            }
+          }
+        }
+      });
+    });
+    ctx.barrier();
+
+    // Phase 4: sum the pools' partial outputs into bf16.
+    guarded([&] {
+      for (int64_t t = ctx.tid; t < Tc; t += ctx.num_threads) {
+        uint16_t* out = args.out + (c0 + t) * H;
+        for (int64_t n = 0; n < H; ++n) {
+          float s = args.incremental ? bf16_to_float(out[n]) : 0.0f;
+          for (int p = 0; p < P; ++p) s += ws.pools[p].y[t * Hy + n];
+          out[n] = float_to_bf16(s);
+        }
+      }
+    });
+    (void)R;
+    ctx.barrier();
+  }
+}
+
+}  // namespace kt

@@ -1,0 +1,164 @@
+#include "kt/quantize.h"
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace kt {
+
+int64_t CanonicalMatrix::weight_row_bytes() const {
+  switch (method) {
+    case Method::kBf16: return K * 2;
+    case Method::kInt8: return K;
+    case Method::kInt4: return (K + 1) / 2;
+  }
+  return 0;
+}
+
+namespace {
+
+// The hot loops are cloned per ISA by the compiler and picked at load time, so quantizing a model on
+// load runs at SIMD speed on any x86-64 CPU.
+#define KT_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+
+KT_CLONES void load_row(const void* src, DType dtype, int64_t K, float* out) {
+  switch (dtype) {
+    case DType::kFloat32: std::copy_n(static_cast<const float*>(src), K, out); break;
+    case DType::kBFloat16: {
+      const uint16_t* s = static_cast<const uint16_t*>(src);
+      for (int64_t i = 0; i < K; ++i) out[i] = bf16_to_float(s[i]);
+      break;
+    }
+    case DType::kFloat16: {
+      const uint16_t* s = static_cast<const uint16_t*>(src);
+      for (int64_t i = 0; i < K; ++i) out[i] = fp16_to_float(s[i]);
+      break;
+    }
+  }
+}
+
+KT_CLONES float abs_max(const float* x, int64_t n) {
+  float m = 0.0f;
+  for (int64_t i = 0; i < n; ++i) m = std::max(m, std::fabs(x[i]));
+  return m;
+}
+
+// Squared error of w ~= s * clamp(round((w - m) / s), 0, 15) + m.
+KT_CLONES float int4_error(const float* w, int64_t n, float s, float m) {
+  const float inv = s > 0.0f ? 1.0f / s : 0.0f;
+  float err = 0.0f;
+  for (int64_t i = 0; i < n; ++i) {
+    const float q = std::min(15.0f, std::max(0.0f, std::nearbyint((w[i] - m) * inv)));
+    const float d = s * q + m - w[i];
+    err += d * d;
+  }
+  return err;
+}
+
+float round_fp16(float x) { return fp16_to_float(float_to_fp16(x)); }
+
+void quantize_int8_row(const float* w, int64_t K, int group, int8_t* q, uint16_t* scales) {
+  for (int64_t g0 = 0, gi = 0; g0 < K; g0 += group, ++gi) {
+    const int64_t n = std::min<int64_t>(group, K - g0);
+    const uint16_t s16 = float_to_fp16(abs_max(w + g0, n) / 127.0f);
+    const float s = fp16_to_float(s16);
+    const float inv = s > 0.0f ? 1.0f / s : 0.0f;
+    scales[gi] = s16;
+    for (int64_t i = 0; i < n; ++i)
+      q[g0 + i] = static_cast<int8_t>(std::clamp(std::nearbyint(w[g0 + i] * inv), -127.0f, 127.0f));
+  }
+}
+
+// Asymmetric int4 with a searched clipping range: both ends of [min, max] shrink independently
+// (5 x 5 candidates), and the pair with the least squared error wins (rel. error 0.082 vs 0.090
+// for plain min/max on Gaussian groups of 64).
+void quantize_int4_row(const float* w, int64_t K, int group, uint8_t* packed, uint16_t* scales,
+                       uint16_t* mins) {
+  static constexpr float kShrink[] = {1.0f, 0.95f, 0.9f, 0.85f, 0.8f};
+  std::fill_n(packed, (K + 1) / 2, uint8_t{0});
+  for (int64_t g0 = 0, gi = 0; g0 < K; g0 += group, ++gi) {
+    const int64_t n = std::min<int64_t>(group, K - g0);
+    const float* x = w + g0;
+    float lo = 0.0f, hi = 0.0f;
+    if (n > 0) {
+      lo = *std::min_element(x, x + n);
+      hi = *std::max_element(x, x + n);
+    }
+    float best_s = round_fp16((hi - lo) / 15.0f), best_m = round_fp16(lo);
+    float best_err = int4_error(x, n, best_s, best_m);
+    for (float cl : kShrink) {
+      for (float ch : kShrink) {
+        if (cl == 1.0f && ch == 1.0f) continue;
+        const float s = round_fp16((hi * ch - lo * cl) / 15.0f), m = round_fp16(lo * cl);
+        const float err = int4_error(x, n, s, m);
+        if (err < best_err) best_err = err, best_s = s, best_m = m;
+      }
+    }
+    scales[gi] = float_to_fp16(best_s);
+    mins[gi] = float_to_fp16(best_m);
+    const float inv = best_s > 0.0f ? 1.0f / best_s : 0.0f;
+    for (int64_t i = 0; i < n; ++i) {
+      const int k = static_cast<int>(g0 + i);
+      const auto q = static_cast<uint8_t>(
+          std::min(15.0f, std::max(0.0f, std::nearbyint((x[i] - best_m) * inv))));
+      packed[k / 2] |= (k % 2 == 0) ? q : static_cast<uint8_t>(q << 4);
+    }
+  }
+}
+
+}  // namespace
+
+void quantize_rows(const void* src, DType dtype, CanonicalMatrix& dst, int64_t row_begin,
+                   int64_t row_end) {
+  const int64_t K = dst.K;
+  const int64_t G = dst.num_groups();
+  const int64_t elem = dtype == DType::kFloat32 ? 4 : 2;
+  std::vector<float> row(static_cast<size_t>(K));
+  for (int64_t r = row_begin; r < row_end; ++r) {
+    const void* s = static_cast<const char*>(src) + r * K * elem;
+    auto* out = static_cast<uint8_t*>(dst.weight) + r * dst.weight_row_bytes();
+    if (dst.method == Method::kBf16) {
+      auto* o = reinterpret_cast<uint16_t*>(out);
+      if (dtype == DType::kBFloat16) {
+        std::copy_n(static_cast<const uint16_t*>(s), K, o);
+      } else {
+        load_row(s, dtype, K, row.data());
+        for (int64_t i = 0; i < K; ++i) o[i] = float_to_bf16(row[i]);
+      }
+      continue;
+    }
+    load_row(s, dtype, K, row.data());
+    if (dst.method == Method::kInt8)
+      quantize_int8_row(row.data(), K, dst.group, reinterpret_cast<int8_t*>(out), dst.scales + r * G);
+    else
+      quantize_int4_row(row.data(), K, dst.group, out, dst.scales + r * G, dst.mins + r * G);
+  }
+}
+
+namespace {
+KT_CLONES void quantize_activation_row_impl(const float* x, int64_t K, int group, int8_t* q,
+                                            float* scale, float* scaled_sum) {
+  for (int64_t g0 = 0, gi = 0; g0 < K; g0 += group, ++gi) {
+    float m = 0.0f;
+    for (int i = 0; i < group; ++i) m = std::max(m, std::fabs(x[g0 + i]));
+    const float s = m / 127.0f;
+    const float inv = m > 0.0f ? 127.0f / m : 0.0f;
+    int32_t sum = 0;
+    for (int i = 0; i < group; ++i) {
+      const int32_t v = static_cast<int32_t>(std::nearbyint(x[g0 + i] * inv));
+      q[g0 + i] = static_cast<int8_t>(v);
+      sum += v;
+    }
+    scale[gi] = s;
+    scaled_sum[gi] = s * static_cast<float>(sum);
+  }
+}
+
+}  // namespace
+
+void quantize_activation_row(const float* x, int64_t K, int group, int8_t* q, float* scale,
+                             float* scaled_sum) {
+  quantize_activation_row_impl(x, K, group, q, scale, scaled_sum);
+}
+
+}  // namespace kt

@@ -1,0 +1,149 @@
+#include "kt/runner.h"
+
+#include <immintrin.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <stdexcept>
+
+#include "kt/topology.h"
+
+namespace kt {
+
+namespace {
+
+// Spins until `done()` or `microseconds` pass; true when done.
+template <class F>
+bool spin_until(F done, int microseconds) {
+  if (microseconds <= 0) return done();
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::microseconds(microseconds);
+  for (int i = 0;; ++i) {
+    if (done()) return true;
+    _mm_pause();
+    if ((i & 63) == 63 && std::chrono::steady_clock::now() > deadline) return false;
+  }
+}
+
+}  // namespace
+
+int Runner::spin_microseconds() {
+  // Short: on small machines the thread that feeds the engine (SGLang's scheduler) needs the cores
+  // between layers.
+  static const int us = [] {
+    const char* env = std::getenv("KT_SGLANG_SPIN_US");
+    return env ? std::max(0, std::atoi(env)) : 50;
+  }();
+  return us;
+}
+
+Runner::Runner(std::vector<PoolSpec> pools) : pools_(std::move(pools)) {
+  if (pools_.empty()) throw std::invalid_argument("Runner needs at least one pool");
+  int total = 0;
+  for (const auto& p : pools_) {
+    if (p.cpus.empty()) throw std::invalid_argument("every pool needs at least one thread");
+    total += static_cast<int>(p.cpus.size());
+    pool_barriers_.push_back(std::make_unique<SpinBarrier>(static_cast<int>(p.cpus.size())));
+  }
+  all_barrier_.reset(total);
+  int tid = 0;
+  for (int p = 0; p < static_cast<int>(pools_.size()); ++p)
+    for (int r = 0; r < static_cast<int>(pools_[p].cpus.size()); ++r, ++tid)
+      workers_.emplace_back(&Runner::worker_main, this, tid, p, r);
+}
+
+Runner::~Runner() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stopping_ = true;
+  }
+  queue_cv_.notify_all();
+  for (auto& w : workers_) w.join();
+}
+
+uint64_t Runner::submit(Task task) {
+  uint64_t id;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (stopping_) throw std::runtime_error("the runner is shutting down");
+    queue_.push_back(std::move(task));
+    id = submitted_.fetch_add(1, std::memory_order_acq_rel) + 1;
+  }
+  queue_cv_.notify_one();
+  return id;
+}
+
+void Runner::sync(int64_t allow_pending) {
+  std::exception_ptr error;
+  {
+    std::unique_lock<std::mutex> lock(mutex_);
+    done_cv_.wait(lock, [&] {
+      return static_cast<int64_t>(submitted_.load() - completed_.load()) <= allow_pending;
+    });
+    std::swap(error, first_error_);
+  }
+  if (error) std::rethrow_exception(error);
+}
+
+void Runner::run(Task task) {
+  submit(std::move(task));
+  sync(0);
+}
+
+int64_t Runner::pending() const {
+  return static_cast<int64_t>(submitted_.load() - completed_.load());
+}
+
+void Runner::record_error(std::exception_ptr error) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!first_error_) first_error_ = error;
+}
+
+void Runner::worker_main(int tid, int pool, int rank) {
+  bind_current_thread(pools_[pool].cpus[rank]);
+  int total = 0;
+  for (const auto& p : pools_) total += static_cast<int>(p.cpus.size());
+  const WorkerContext me{tid, pool, rank, static_cast<int>(pools_[pool].cpus.size()), total, this};
+  const int spin_us = spin_microseconds();
+  uint64_t seen = 0, taken = 0;
+  for (;;) {
+    if (tid == 0) {
+      spin_until([&] { return submitted_.load(std::memory_order_acquire) > taken; }, spin_us);
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        queue_cv_.wait(lock, [&] { return !queue_.empty() || stopping_; });
+        if (queue_.empty()) {  // stopping, nothing left to run
+          stop_.store(true);
+          epoch_.fetch_add(1, std::memory_order_release);
+          epoch_.notify_all();
+          return;
+        }
+        current_ = std::move(queue_.front());
+        queue_.pop_front();
+        ++taken;
+      }
+      seen = epoch_.fetch_add(1, std::memory_order_release) + 1;
+      epoch_.notify_all();
+    } else {
+      if (!spin_until([&] { return epoch_.load(std::memory_order_acquire) != seen; }, spin_us))
+        epoch_.wait(seen, std::memory_order_acquire);
+      seen = epoch_.load(std::memory_order_acquire);
+      if (stop_.load()) return;
+    }
+    try {
+      current_(me);
+    } catch (...) {
+      record_error(std::current_exception());
+    }
+    all_barrier_.arrive_and_wait();
+    if (tid == 0) {
+      current_ = nullptr;
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        completed_.fetch_add(1, std::memory_order_acq_rel);
+      }
+      done_cv_.notify_all();
+    }
+  }
+}
+
+}  // namespace kt

@@ -1,0 +1,34 @@
+// Barriers and the per-worker context of the runner's pools.
+#include <immintrin.h>
+#include <sched.h>
+
+#include "kt/runner.h"
+
+namespace kt {
+
+void SpinBarrier::arrive_and_wait() {
+  if (count_ <= 1) return;
+  const uint32_t gen = generation_.load(std::memory_order_acquire);
+  if (arrived_.fetch_add(1, std::memory_order_acq_rel) + 1 == count_) {
+    arrived_.store(0, std::memory_order_relaxed);
+    generation_.store(gen + 1, std::memory_order_release);
+    generation_.notify_all();
+    return;
+  }
+  // Workers inside one task are all running: spin, then yield, then sleep if someone is descheduled.
+  for (int i = 0; generation_.load(std::memory_order_acquire) == gen; ++i) {
+    if (i < 4096) {
+      _mm_pause();
+    } else if (i < 4096 + 64) {
+      sched_yield();
+    } else {
+      generation_.wait(gen, std::memory_order_acquire);
+    }
+  }
+}
+
+void WorkerContext::barrier() const { runner->all_barrier_.arrive_and_wait(); }
+
+void WorkerContext::pool_barrier() const { runner->pool_barriers_[pool]->arrive_and_wait(); }
+
+}  // namespace kt
