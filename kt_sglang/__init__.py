@@ -3,3 +3,7 @@
 from __future__ import annotations
 
 __version__ = "0.1.0"
+
+from kt_sglang.engine import KTMoEWrapper  # noqa: E402
+
+__all__ = ["KTMoEWrapper", "__version__"]

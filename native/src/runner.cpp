@@ -84,10 +84,17 @@ void Runner::sync(int64_t allow_pending) {
   if (error) std::rethrow_exception(error);
 }
 
-void Runner::run(Task task) {
-  submit(std::move(task));
-  sync(0);
+void Runner::wait(uint64_t id) {
+  std::exception_ptr error;
+  {
+    std::unique_lock<std::mutex> lock(mutex_);
+    done_cv_.wait(lock, [&] { return completed_.load() >= id; });
+    std::swap(error, first_error_);
+  }
+  if (error) std::rethrow_exception(error);
 }
+
+void Runner::run(Task task) { wait(submit(std::move(task))); }
 
 int64_t Runner::pending() const {
   return static_cast<int64_t>(submitted_.load() - completed_.load());

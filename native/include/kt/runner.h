@@ -67,6 +67,8 @@ class Runner {
   // Waits until at most `allow_pending` tasks are queued or running, then rethrows the first error
   // any finished task recorded (once).
   void sync(int64_t allow_pending = 0);
+  // Waits until task `id` (and so every task before it) finished; rethrows as sync() does.
+  void wait(uint64_t id);
   // Submits and waits for this one task (and those before it).
   void run(Task task);
   int64_t pending() const;

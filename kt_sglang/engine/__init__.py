@@ -1,0 +1,18 @@
+"""Python facade over the native CPU expert engine."""
+
+from __future__ import annotations
+
+from kt_sglang.engine.methods import METHODS, Method, parse_method
+from kt_sglang.engine.pools import PoolLayout, SharedRunner, plan_pools, selected_isa
+from kt_sglang.engine.wrapper import KTMoEWrapper
+
+__all__ = [
+    "KTMoEWrapper",
+    "METHODS",
+    "Method",
+    "PoolLayout",
+    "SharedRunner",
+    "parse_method",
+    "plan_pools",
+    "selected_isa",
+]

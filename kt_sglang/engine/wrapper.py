@@ -1,0 +1,351 @@
+"""KTMoEWrapper: the CPU experts of one MoE layer, call-compatible with kt-kernel's wrapper."""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from kt_sglang.engine.methods import Method, parse_method, resolve_group
+from kt_sglang.engine.native import _native
+from kt_sglang.engine.pools import SharedRunner, plan_pools, selected_isa
+
+_NATIVE_DTYPES = {
+    torch.float32: _native.DType.float32,
+    torch.float16: _native.DType.float16,
+    torch.bfloat16: _native.DType.bfloat16,
+}
+
+
+def _pin(t: torch.Tensor) -> torch.Tensor:
+    return t.pin_memory() if torch.cuda.is_available() else t
+
+
+@dataclass
+class _Buffers:
+    """Host buffers of one batch size: inputs copied in, output written by the engine."""
+
+    hidden: torch.Tensor  # bf16 [T, H]
+    ids: torch.Tensor  # int64 [T, k]
+    weights: torch.Tensor  # fp32 [T, k]
+    out: torch.Tensor  # bf16 [T, H]
+    tokens: torch.Tensor  # int32 [1], read by the engine when the task runs
+
+    @classmethod
+    def allocate(cls, tokens: int, hidden: int, top_k: int) -> _Buffers:
+        return cls(
+            _pin(torch.zeros(tokens, hidden, dtype=torch.bfloat16)),
+            _pin(torch.zeros(tokens, top_k, dtype=torch.int64)),
+            _pin(torch.zeros(tokens, top_k, dtype=torch.float32)),
+            _pin(torch.zeros(tokens, hidden, dtype=torch.bfloat16)),
+            _pin(torch.zeros(1, dtype=torch.int32)),
+        )
+
+    @property
+    def capacity(self) -> int:
+        return self.hidden.shape[0]
+
+
+class KTMoEWrapper:
+    """The CPU experts of one MoE layer.
+
+    Parameters follow kt-kernel's ``KTMoEWrapper`` so that only the import changes. Our extras:
+    ``group_size`` (quantization group, default per method) and ``isa`` (kernel family; default
+    ``KT_SGLANG_ISA`` or the best the CPU runs).
+    """
+
+    _capture_batch_sizes: tuple[int, ...] = ()
+    _instances: weakref.WeakSet[KTMoEWrapper] = weakref.WeakSet()
+
+    def __init__(
+        self,
+        layer_idx: int,
+        num_experts: int,
+        num_experts_per_tok: int,
+        hidden_size: int,
+        moe_intermediate_size: int,
+        gpu_experts_mask: torch.Tensor | None,
+        cpuinfer_threads: int,
+        threadpool_count: int,
+        weight_path: str | None = None,
+        chunked_prefill_size: int = 4096,
+        cpu_save: bool = False,
+        max_deferred_experts_per_token: int | None = None,
+        method: str = "AMXINT4",
+        numa_nodes: list[int] | None = None,
+        group_size: int | None = None,
+        isa: str | None = None,
+    ) -> None:
+        for name, value in (
+            ("num_experts", num_experts),
+            ("num_experts_per_tok", num_experts_per_tok),
+            ("hidden_size", hidden_size),
+            ("moe_intermediate_size", moe_intermediate_size),
+        ):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if num_experts_per_tok > num_experts:
+            raise ValueError(
+                f"num_experts_per_tok={num_experts_per_tok} is larger than num_experts={num_experts}"
+            )
+        if not isinstance(chunked_prefill_size, int) or chunked_prefill_size < 1:
+            raise ValueError(f"chunked_prefill_size must be a positive integer, got {chunked_prefill_size!r}")
+        self.layer_idx = layer_idx
+        self.num_experts = num_experts
+        self.num_experts_per_tok = num_experts_per_tok
+        self.hidden_size = hidden_size
+        self.moe_intermediate_size = moe_intermediate_size
+        self.weight_path = weight_path
+        self.chunked_prefill_size = chunked_prefill_size
+        self.cpu_save = cpu_save
+        self.max_deferred_experts_per_token = max_deferred_experts_per_token
+        self.method = parse_method(method)
+        self.group_size = resolve_group(self.method, group_size)
+        self.isa = selected_isa(isa)
+        self.gpu_experts_mask = self._check_mask(gpu_experts_mask)
+        self.layout = plan_pools(cpuinfer_threads, threadpool_count, numa_nodes)
+        self._runner, workspace = SharedRunner.get(self.layout)
+        self._layer = _native.MoeLayer(
+            self._runner,
+            workspace,
+            num_experts,
+            num_experts_per_tok,
+            hidden_size,
+            moe_intermediate_size,
+            self.method.native,
+            self.group_size,
+            self.isa,
+            chunked_prefill_size,
+        )
+        self._buffers: dict[int, _Buffers] = {}
+        self._spare: _Buffers | None = None
+        self._pending: tuple[_Buffers, int] | None = None
+        KTMoEWrapper._instances.add(self)
+
+    # ----------------------------------------------------------------------------------------
+    # Weights
+
+    def load_weights_from_tensors(
+        self,
+        gate_proj: torch.Tensor,
+        up_proj: torch.Tensor,
+        down_proj: torch.Tensor,
+        physical_to_logical_map: torch.Tensor | list[int] | None = None,
+    ) -> None:
+        """Quantizes (per ``method``) and packs dense expert weights on the pools.
+
+        gate_proj, up_proj: ``[E_src, I, H]``; down_proj: ``[E_src, H, I]``; bf16, fp16 or fp32,
+        contiguous, on the CPU. Slot e takes source expert ``physical_to_logical_map[e]``.
+        """
+        E, I, H = self.num_experts, self.moe_intermediate_size, self.hidden_size
+        tensors = {"gate_proj": gate_proj, "up_proj": up_proj, "down_proj": down_proj}
+        dtype = gate_proj.dtype if isinstance(gate_proj, torch.Tensor) else None
+        for name, t in tensors.items():
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dtype not in _NATIVE_DTYPES:
+                raise ValueError(f"{name} has dtype {t.dtype}; expected bfloat16, float16 or float32")
+            if t.dtype != dtype:
+                raise ValueError(f"{name} has dtype {t.dtype} but gate_proj has {dtype}; use one dtype")
+            if t.device.type != "cpu":
+                raise ValueError(f"{name} is on {t.device}; expert weights must be CPU tensors")
+            if not t.is_contiguous():
+                raise ValueError(f"{name} is not contiguous; call .contiguous() first")
+        source_experts = gate_proj.shape[0] if gate_proj.dim() == 3 else -1
+        for name, t, shape in (
+            ("gate_proj", gate_proj, (source_experts, I, H)),
+            ("up_proj", up_proj, (source_experts, I, H)),
+            ("down_proj", down_proj, (source_experts, H, I)),
+        ):
+            if tuple(t.shape) != shape or source_experts < 1:
+                raise ValueError(
+                    f"{name} has shape {tuple(t.shape)}; expected [E_src, {shape[1]}, {shape[2]}] "
+                    f"(with E_src >= 1 the same for all three)"
+                )
+        slots = self._slot_map(physical_to_logical_map, source_experts)
+        if not slots and source_experts < E:
+            raise ValueError(
+                f"the tensors hold {source_experts} experts but num_experts={E}; pass "
+                "physical_to_logical_map to say which expert fills each slot"
+            )
+        self._layer.load_dense(
+            gate_proj.data_ptr(),
+            up_proj.data_ptr(),
+            down_proj.data_ptr(),
+            _NATIVE_DTYPES[dtype],
+            source_experts,
+            slots,
+        )
+
+    def load_weights(self, physical_to_logical_map: torch.Tensor | list[int] | None = None) -> None:
+        """Loads ``weight_path`` (canonical directory or the HF checkpoint): not built yet."""
+        raise NotImplementedError(
+            "KTMoEWrapper.load_weights (reading weight_path) is not implemented yet; "
+            "use load_weights_from_tensors"
+        )
+
+    def _slot_map(self, physical_to_logical_map, source_experts: int) -> list[int]:
+        if physical_to_logical_map is None:
+            return []
+        slots = [int(v) for v in torch.as_tensor(physical_to_logical_map).reshape(-1).tolist()]
+        if len(slots) != self.num_experts:
+            raise ValueError(
+                f"physical_to_logical_map has {len(slots)} entries; num_experts is {self.num_experts}"
+            )
+        bad = [s for s in slots if not 0 <= s < source_experts]
+        if bad:
+            raise ValueError(
+                f"physical_to_logical_map names experts {bad[:4]} outside the {source_experts} given"
+            )
+        return slots
+
+    # ----------------------------------------------------------------------------------------
+    # Forward
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        cuda_stream=None,
+    ) -> torch.Tensor:
+        """Sum over each token's CPU experts of weight * expert(hidden); ``[T, H]`` bf16."""
+        self.submit_forward(hidden_states, topk_ids, topk_weights, cuda_stream)
+        return self.sync_forward(hidden_states, cuda_stream)
+
+    def submit_forward(
+        self,
+        hidden_states: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        cuda_stream=None,
+    ) -> None:
+        """Copies the inputs to host buffers and enqueues the layer; returns at once."""
+        if self._pending is not None:
+            raise RuntimeError(
+                f"layer {self.layer_idx}: submit_forward called twice without sync_forward"
+            )
+        T = self._check_inputs(hidden_states, topk_ids, topk_weights)
+        buf = self._buffers_for(T)
+        buf.hidden[:T].copy_(hidden_states, non_blocking=cuda_stream is not None)
+        buf.ids[:T].copy_(topk_ids, non_blocking=cuda_stream is not None)
+        buf.weights[:T].copy_(topk_weights, non_blocking=cuda_stream is not None)
+        buf.tokens[0] = T
+        if cuda_stream is not None and hidden_states.is_cuda:
+            torch.cuda.current_stream().synchronize()
+        mask_ptr = self.gpu_experts_mask.data_ptr() if self.gpu_experts_mask is not None else 0
+        task = self._layer.submit_forward(
+            T,
+            0,
+            buf.hidden.data_ptr(),
+            buf.ids.data_ptr(),
+            True,
+            buf.weights.data_ptr(),
+            mask_ptr,
+            buf.out.data_ptr(),
+            False,
+        )
+        self._pending = (buf, T, task)
+
+    def sync_forward(self, hidden_states: torch.Tensor | None = None, cuda_stream=None) -> torch.Tensor:
+        """Waits for this layer's submitted forward and returns its output (on the input's device)."""
+        if self._pending is None:
+            raise RuntimeError(f"layer {self.layer_idx}: sync_forward without submit_forward")
+        buf, T, task = self._pending
+        self._pending = None
+        self._runner.wait(task)
+        device = hidden_states.device if hidden_states is not None else torch.device("cpu")
+        out = buf.out[:T]
+        return out.to(device, non_blocking=True) if device.type != "cpu" else out.clone()
+
+    def _check_inputs(self, hidden_states, topk_ids, topk_weights) -> int:
+        E, k, H = self.num_experts, self.num_experts_per_tok, self.hidden_size
+        for name, t in (("hidden_states", hidden_states), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if hidden_states.dim() != 2 or hidden_states.shape[1] != H:
+            raise ValueError(f"hidden_states has shape {tuple(hidden_states.shape)}; expected [T, {H}]")
+        if not hidden_states.dtype.is_floating_point:
+            raise ValueError(f"hidden_states has dtype {hidden_states.dtype}; expected bfloat16")
+        T = hidden_states.shape[0]
+        if tuple(topk_ids.shape) != (T, k):
+            raise ValueError(f"topk_ids has shape {tuple(topk_ids.shape)}; expected [{T}, {k}]")
+        if topk_ids.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"topk_ids has dtype {topk_ids.dtype}; expected int32 or int64")
+        if tuple(topk_weights.shape) != (T, k):
+            raise ValueError(f"topk_weights has shape {tuple(topk_weights.shape)}; expected [{T}, {k}]")
+        if not topk_weights.dtype.is_floating_point:
+            raise ValueError(f"topk_weights has dtype {topk_weights.dtype}; expected float32")
+        if topk_ids.device.type == "cpu" and T > 0:
+            lo, hi = int(topk_ids.min()), int(topk_ids.max())
+            if lo < -1 or hi >= E:
+                bad = lo if lo < -1 else hi
+                raise ValueError(f"topk_ids holds expert id {bad}, outside [-1, {E}) (-1 means skip)")
+        return T
+
+    def _check_mask(self, mask) -> torch.Tensor | None:
+        if mask is None:
+            return None
+        if not isinstance(mask, torch.Tensor):
+            mask = torch.as_tensor(mask)
+        if mask.dtype != torch.bool:
+            raise ValueError(f"gpu_experts_mask has dtype {mask.dtype}; expected torch.bool")
+        if tuple(mask.shape) != (self.num_experts,):
+            raise ValueError(
+                f"gpu_experts_mask has shape {tuple(mask.shape)}; expected [{self.num_experts}]"
+            )
+        return mask.to("cpu").contiguous()
+
+    def _buffers_for(self, tokens: int) -> _Buffers:
+        buf = self._buffers.get(tokens)
+        if buf is None:
+            for size in sorted(self._buffers):  # smallest captured size that fits
+                if size >= tokens:
+                    return self._buffers[size]
+            if self._spare is None or self._spare.capacity < tokens:
+                self._spare = _Buffers.allocate(max(tokens, 1), self.hidden_size, self.num_experts_per_tok)
+            buf = self._spare
+        return buf
+
+    # ----------------------------------------------------------------------------------------
+    # Batch-size buffers (kt-kernel's static API)
+
+    @staticmethod
+    def set_capture_batch_sizes(batch_sizes: list[int]) -> None:
+        """Batch sizes that get buffers of their own (SGLang's captured decode sizes)."""
+        sizes = tuple(sorted({int(b) for b in batch_sizes}))
+        if any(b < 1 for b in sizes):
+            raise ValueError(f"batch sizes must be positive, got {list(batch_sizes)}")
+        KTMoEWrapper._capture_batch_sizes = sizes
+        for w in KTMoEWrapper._instances:
+            w._allocate_capture_buffers()
+
+    @staticmethod
+    def get_capture_batch_sizes() -> list[int]:
+        return list(KTMoEWrapper._capture_batch_sizes)
+
+    @staticmethod
+    def clear_buffer_cache() -> None:
+        for w in KTMoEWrapper._instances:
+            w._buffers.clear()
+            w._spare = None
+
+    def _allocate_capture_buffers(self) -> None:
+        for size in KTMoEWrapper._capture_batch_sizes:
+            if size not in self._buffers:
+                self._buffers[size] = _Buffers.allocate(size, self.hidden_size, self.num_experts_per_tok)
+
+    # ----------------------------------------------------------------------------------------
+
+    @property
+    def packed_bytes(self) -> int:
+        return self._layer.packed_bytes
+
+    def __repr__(self) -> str:
+        return (
+            f"KTMoEWrapper(layer={self.layer_idx}, experts={self.num_experts}, top_k="
+            f"{self.num_experts_per_tok}, hidden={self.hidden_size}, intermediate="
+            f"{self.moe_intermediate_size}, method={self.method.value}, group={self.group_size}, "
+            f"isa={self.isa}, threads={self.layout.threads}, pools={self.layout.pools})"
+        )
