@@ -14,7 +14,8 @@ namespace kt {
 namespace {
 
 constexpr int kRowChunk = 256;   // rows per kernel call: bounds per-thread scratch
-constexpr int kDownPanels = 4;   // output channels per down work item: 4 x 16
+constexpr int kMinDownPanels = 4;   // output channels per down work item: at least 4 x 16 ...
+constexpr int kMaxDownPanels = 32;  // ... at most 32 x 16; each item reads every expert's h once
 constexpr int kMaxPools = 64;
 
 template <class T>
@@ -39,22 +40,26 @@ void for_each_item(std::atomic<int64_t>& counter, int64_t n, F&& body) {
 }  // namespace
 
 struct MoeWorkspace {
-  // Routing of the current chunk: rows grouped by expert.
+  // Routing of the current chunk: rows grouped by expert; each expert's rows start a new block of
+  // 32 in the gathered buffers (padded_offsets), so AMX reads them as tiles.
   int64_t tokens = 0;
-  std::vector<int64_t> counts, offsets;  // [E], [E + 1]
-  std::vector<int> active;               // experts with at least one row
-  std::vector<int32_t> row_token;        // chunk-local token of each row
+  std::vector<int64_t> counts, offsets, padded_offsets;  // [E], [E + 1], [E + 1]
+  std::vector<int> active;                               // experts with at least one row
+  std::vector<int32_t> row_token;                        // chunk-local token of each row
   std::vector<float> row_weight;
-  bool abort = false;
-  // Activations of the chunk's tokens: int8 + scales, or bf16.
+  // Set by worker 0, read by all after a barrier. Two flags: the start check and a chunk's routing
+  // have no barrier between them, so one flag could be rewritten while a worker still reads it.
+  bool bad_batch = false;
+  bool bad_routing = false;
+  // Per token: int8 input + scales (quantized methods).
   std::vector<int8_t> x_q;
   std::vector<float> x_scale, x_sum;
-  std::vector<uint16_t> x_bf16;
+  // Per row, gathered in the tiled layout: the input (int8 or bf16).
+  std::vector<uint8_t> x_rows;
   struct PoolScratch {
-    std::vector<int8_t> h_q;
-    std::vector<float> h_scale, h_sum;
-    std::vector<uint16_t> h_bf16;
-    std::vector<float> y;  // fp32 partial output [tokens, hidden padded to 16]
+    std::vector<uint8_t> h_rows;        // per row, tiled: int8 or bf16 intermediate
+    std::vector<float> h_scale, h_sum;  // per row and group
+    std::vector<float> y;               // fp32 partial output [tokens, hidden padded to 16]
   };
   std::vector<PoolScratch> pools;
   PaddedCounter phase_counter[kMaxPools][3];
@@ -63,19 +68,20 @@ struct MoeWorkspace {
 
 std::shared_ptr<MoeWorkspace> make_workspace() { return std::make_shared<MoeWorkspace>(); }
 
+// One pool's slice [i_begin, i_end) of every expert. Gate and up are interleaved per group of
+// intermediate channels (the group's gate panels, then its up panels) so that one kernel call
+// computes both from one pass over the activations.
 struct MoeLayer::PoolWeights {
   int node = 0;
   int64_t i_begin = 0, i_end = 0;
   PackRegion gate_region, down_region;
-  int64_t gate_bytes = 0, down_bytes = 0;  // per expert (up has gate's size)
-  size_t alloc_bytes = 0, down_alloc_bytes = 0;  // all experts, on the pool's node
-  uint8_t* gate = nullptr;
-  uint8_t* up = nullptr;
+  int64_t gate_up_bytes = 0, down_bytes = 0;  // per expert
+  size_t gate_up_alloc = 0, down_alloc = 0;   // all experts, on the pool's node
+  uint8_t* gate_up = nullptr;
   uint8_t* down = nullptr;
   ~PoolWeights() {
-    free_on_node(gate, alloc_bytes);
-    free_on_node(up, alloc_bytes);
-    free_on_node(down, down_alloc_bytes);
+    free_on_node(gate_up, gate_up_alloc);
+    free_on_node(down, down_alloc);
   }
 };
 
@@ -108,13 +114,12 @@ MoeLayer::MoeLayer(const MoeConfig& config, std::shared_ptr<Runner> runner,
     const int64_t slice = pw->i_end - pw->i_begin;
     pw->gate_region = {pw->i_begin, slice, 0, hidden_padded_};
     pw->down_region = {0, round_up(config_.hidden, kPanelWidth), pw->i_begin, slice};
-    pw->gate_bytes = packed_matrix_bytes(config_.method, group_, pw->gate_region);
+    pw->gate_up_bytes = 2 * packed_matrix_bytes(config_.method, group_, pw->gate_region);
     pw->down_bytes = packed_matrix_bytes(config_.method, group_, pw->down_region);
-    pw->alloc_bytes = static_cast<size_t>(pw->gate_bytes * E);
-    pw->down_alloc_bytes = static_cast<size_t>(pw->down_bytes * E);
-    pw->gate = static_cast<uint8_t*>(alloc_on_node(pw->alloc_bytes, pw->node));
-    pw->up = static_cast<uint8_t*>(alloc_on_node(pw->alloc_bytes, pw->node));
-    pw->down = static_cast<uint8_t*>(alloc_on_node(pw->down_alloc_bytes, pw->node));
+    pw->gate_up_alloc = static_cast<size_t>(pw->gate_up_bytes * E);
+    pw->down_alloc = static_cast<size_t>(pw->down_bytes * E);
+    pw->gate_up = static_cast<uint8_t*>(alloc_on_node(pw->gate_up_alloc, pw->node));
+    pw->down = static_cast<uint8_t*>(alloc_on_node(pw->down_alloc, pw->node));
     pools_.push_back(std::move(pw));
   }
 }
@@ -123,7 +128,7 @@ MoeLayer::~MoeLayer() = default;
 
 int64_t MoeLayer::packed_bytes() const {
   int64_t total = 0;
-  for (const auto& p : pools_) total += (2 * p->gate_bytes + p->down_bytes) * config_.num_experts;
+  for (const auto& p : pools_) total += (p->gate_up_bytes + p->down_bytes) * config_.num_experts;
   return total;
 }
 
@@ -135,12 +140,18 @@ std::vector<std::pair<int64_t, int64_t>> MoeLayer::pool_slices() const {
 
 void MoeLayer::pack_expert(int slot, const CanonicalMatrix& gate, const CanonicalMatrix& up,
                            const CanonicalMatrix& down) {
+  const int64_t width = h_group();  // intermediate channels per interleaved block
+  const int64_t panel = panel_bytes(config_.method, group_, hidden_padded_);
   for (const auto& pw : pools_) {
-    const int64_t gp = pw->gate_region.rows / kPanelWidth, dp = pw->down_region.rows / kPanelWidth;
-    if (pw->gate_region.rows > 0) {
-      pack_panels(gate, pw->gate_region, 0, gp, pw->gate + slot * pw->gate_bytes);
-      pack_panels(up, pw->gate_region, 0, gp, pw->up + slot * pw->gate_bytes);
+    uint8_t* gate_up = pw->gate_up + slot * pw->gate_up_bytes;
+    for (int64_t i0 = 0; i0 < pw->gate_region.rows; i0 += width) {
+      const PackRegion block{pw->gate_region.row_offset + i0, width, 0, hidden_padded_};
+      const int64_t npan = width / kPanelWidth;
+      pack_panels(gate, block, 0, npan, gate_up);
+      pack_panels(up, block, 0, npan, gate_up + npan * panel);
+      gate_up += 2 * npan * panel;
     }
+    const int64_t dp = pw->down_region.rows / kPanelWidth;
     if (pw->down_region.cols > 0) pack_panels(down, pw->down_region, 0, dp, pw->down + slot * pw->down_bytes);
   }
 }
@@ -230,13 +241,34 @@ uint64_t MoeLayer::submit_forward(const ForwardArgs& args) {
   return runner_->submit([this, copy](const WorkerContext& ctx) { forward_task(copy, ctx); });
 }
 
+namespace {
+
+// Address of row `r` (a padded row index) in a tiled buffer whose rows hold `row_bytes`.
+uint8_t* tiled_row(uint8_t* base, int64_t r, int64_t row_bytes) {
+  return base + (r / kRowBlock) * kRowBlock * row_bytes + (r % kRowBlock) * kChunkBytes;
+}
+
+// Writes `n` bytes at byte offset `offset` of a tiled row, chunk by chunk.
+void store_tiled(uint8_t* row, int64_t offset, const void* src, int64_t n) {
+  const auto* s = static_cast<const uint8_t*>(src);
+  while (n > 0) {
+    const int64_t in_chunk = offset % kChunkBytes;
+    const int64_t len = std::min(n, kChunkBytes - in_chunk);
+    std::memcpy(row + (offset / kChunkBytes) * kTiledChunkStride + in_chunk, s, len);
+    offset += len, s += len, n -= len;
+  }
+}
+
+}  // namespace
+
 void MoeLayer::forward_task(const ForwardArgs& args, const WorkerContext& ctx) {
   MoeWorkspace& ws = *workspace_;
   const int E = config_.num_experts, K = config_.top_k;
   const int64_t H = config_.hidden, Hp = hidden_padded_, Hy = round_up(H, kPanelWidth);
   const bool quantized = config_.method != Method::kBf16;
   const int G = group_;
-  const int Gh = quantized ? G : kKAlign;  // columns of h per gate/up work item
+  const int64_t Gh = h_group();
+  const int64_t elem = quantized ? 1 : 2;  // bytes per activation value
   const int P = static_cast<int>(pools_.size());
   const GemmQuantFn gemm_q = config_.method == Method::kInt8 ? table_.gemm_int8 : table_.gemm_int4;
 
@@ -250,97 +282,109 @@ void MoeLayer::forward_task(const ForwardArgs& args, const WorkerContext& ctx) {
   };
 
   if (ctx.tid == 0) {
-    ws.abort = false;
     ws.tokens = args.tokens_ptr ? *args.tokens_ptr : args.tokens;
-    if (ws.tokens < 0) {
-      ws.abort = true;
+    ws.bad_batch = ws.tokens < 0;
+    if (ws.bad_batch) {
       runner_->record_error(std::make_exception_ptr(
           std::invalid_argument("forward: the batch size read at run time is negative")));
     }
     grow(ws.pools, static_cast<size_t>(P));
   }
   ctx.barrier();
-  if (ws.abort) return;
+  if (ws.bad_batch) return;
   const int64_t T = ws.tokens;
 
   for (int64_t c0 = 0; c0 < T; c0 += config_.max_chunk_tokens) {
     const int64_t Tc = std::min(config_.max_chunk_tokens, T - c0);
     if (ctx.tid == 0) {
+      ws.bad_routing = true;  // until routing succeeds
       guarded([&] {
-        // Route: rows grouped by expert, tokens in order within an expert.
-        ws.counts.assign(E, 0);
         auto id_at = [&](int64_t t, int j) -> int64_t {
           const int64_t i = (c0 + t) * K + j;
           return args.ids_int64 ? static_cast<const int64_t*>(args.expert_ids)[i]
                                 : static_cast<const int32_t*>(args.expert_ids)[i];
         };
-        for (int64_t t = 0; t < Tc && !ws.abort; ++t)
+        auto computed_here = [&](int64_t e) { return e >= 0 && !(args.skip_mask && args.skip_mask[e]); };
+        ws.counts.assign(E, 0);
+        for (int64_t t = 0; t < Tc; ++t)
           for (int j = 0; j < K; ++j) {
             const int64_t e = id_at(t, j);
-            if (e < -1 || e >= E) {
-              ws.abort = true;
+            if (e < -1 || e >= E)
               throw std::invalid_argument("expert id " + std::to_string(e) + " at token " +
                                           std::to_string(c0 + t) + ", slot " + std::to_string(j) +
                                           " is outside [-1, " + std::to_string(E) + ")");
-            }
-            if (e >= 0 && !(args.skip_mask && args.skip_mask[e])) ++ws.counts[e];
+            if (computed_here(e)) ++ws.counts[e];
           }
         ws.offsets.assign(E + 1, 0);
+        ws.padded_offsets.assign(E + 1, 0);
         ws.active.clear();
         for (int e = 0; e < E; ++e) {
           ws.offsets[e + 1] = ws.offsets[e] + ws.counts[e];
+          ws.padded_offsets[e + 1] = ws.padded_offsets[e] + round_up(ws.counts[e], kRowBlock);
           if (ws.counts[e] > 0) ws.active.push_back(e);
         }
-        const int64_t R = ws.offsets[E];
+        const int64_t R = ws.offsets[E], Rp = ws.padded_offsets[E];
         grow(ws.row_token, R), grow(ws.row_weight, R);
         std::vector<int64_t> fill(ws.offsets.begin(), ws.offsets.end() - 1);
         for (int64_t t = 0; t < Tc; ++t)
           for (int j = 0; j < K; ++j) {
             const int64_t e = id_at(t, j);
-            if (e < 0 || (args.skip_mask && args.skip_mask[e])) continue;
+            if (!computed_here(e)) continue;
             const int64_t r = fill[e]++;
             ws.row_token[r] = static_cast<int32_t>(t);
             ws.row_weight[r] = args.weights[(c0 + t) * K + j];
           }
-        if (quantized) {
-          grow(ws.x_q, Tc * Hp), grow(ws.x_scale, Tc * Hp / G), grow(ws.x_sum, Tc * Hp / G);
-        } else {
-          grow(ws.x_bf16, Tc * Hp);
-        }
+        if (quantized) grow(ws.x_q, Tc * Hp), grow(ws.x_scale, Tc * Hp / G), grow(ws.x_sum, Tc * Hp / G);
+        grow(ws.x_rows, Rp * Hp * elem);
         for (int p = 0; p < P; ++p) {
           auto& ps = ws.pools[p];
           const int64_t slice = pools_[p]->i_end - pools_[p]->i_begin;
-          if (quantized) {
-            grow(ps.h_q, R * slice), grow(ps.h_scale, R * slice / G), grow(ps.h_sum, R * slice / G);
-          } else {
-            grow(ps.h_bf16, R * slice);
-          }
+          grow(ps.h_rows, Rp * slice * elem);
+          if (quantized) grow(ps.h_scale, R * slice / G), grow(ps.h_sum, R * slice / G);
           grow(ps.y, Tc * Hy);
           for (auto& c : ws.phase_counter[p]) c.value.store(0);
         }
+        ws.bad_routing = false;
       });
-      if (!ws.abort && ws.offsets.size() != static_cast<size_t>(E + 1)) ws.abort = true;
     }
     ctx.barrier();
-    if (ws.abort) return;
+    if (ws.bad_routing) return;
     const int64_t R = ws.offsets[E];
+    // Row r of expert e sits at padded row r - offsets[e] + padded_offsets[e].
+    auto expert_of_rows = [&](int e) { return ws.padded_offsets[e] - ws.offsets[e]; };
 
-    // Phase 1: quantize (or pad) each token's input once for all its experts; clear the sums.
+    // Phase 1: quantize each token's input once for all its experts; clear the partial sums.
     guarded([&] {
       thread_local std::vector<float> row;
       grow(row, Hp);
       for (int64_t t = ctx.tid; t < Tc; t += ctx.num_threads) {
-        const uint16_t* x = args.hidden + (c0 + t) * H;
         if (quantized) {
+          const uint16_t* x = args.hidden + (c0 + t) * H;
           for (int64_t i = 0; i < H; ++i) row[i] = bf16_to_float(x[i]);
           std::fill(row.begin() + H, row.begin() + Hp, 0.0f);
           quantize_activation_row(row.data(), Hp, G, ws.x_q.data() + t * Hp,
                                   ws.x_scale.data() + t * (Hp / G), ws.x_sum.data() + t * (Hp / G));
-        } else {
-          std::memcpy(ws.x_bf16.data() + t * Hp, x, H * 2);
-          std::fill(ws.x_bf16.begin() + t * Hp + H, ws.x_bf16.begin() + (t + 1) * Hp, uint16_t{0});
         }
         for (int p = 0; p < P; ++p) std::fill_n(ws.pools[p].y.data() + t * Hy, Hy, 0.0f);
+      }
+    });
+    ctx.barrier();
+    // Phase 1b: gather each expert's rows into the tiled layout.
+    guarded([&] {
+      thread_local std::vector<uint16_t> padded;
+      grow(padded, Hp);
+      for (int e : ws.active) {
+        for (int64_t r = ws.offsets[e] + ctx.tid; r < ws.offsets[e + 1]; r += ctx.num_threads) {
+          const int64_t t = ws.row_token[r];
+          uint8_t* dst = tiled_row(ws.x_rows.data(), r + expert_of_rows(e), Hp * elem);
+          if (quantized) {
+            store_tiled(dst, 0, ws.x_q.data() + t * Hp, Hp);
+          } else {
+            std::memcpy(padded.data(), args.hidden + (c0 + t) * H, H * 2);
+            std::fill(padded.begin() + H, padded.begin() + Hp, uint16_t{0});
+            store_tiled(dst, 0, padded.data(), Hp * 2);
+          }
+        }
       }
     });
     ctx.barrier();
@@ -349,58 +393,64 @@ void MoeLayer::forward_task(const ForwardArgs& args, const WorkerContext& ctx) {
     auto& ps = ws.pools[ctx.pool];
     const int64_t slice = pw.i_end - pw.i_begin;
     const int64_t slice_groups = slice / Gh;
-    thread_local std::vector<const void*> ptr_q, ptr_s, ptr_m;
-    thread_local std::vector<float> c_gate, c_up, h_row;
-    grow(ptr_q, kRowChunk), grow(ptr_s, kRowChunk), grow(ptr_m, kRowChunk);
+    thread_local std::vector<const void*> ptr_a, ptr_s, ptr_m;
+    thread_local std::vector<float> c_buf, h_row;
+    thread_local std::vector<int8_t> h_q;
+    grow(ptr_a, kRowChunk), grow(ptr_s, kRowChunk), grow(ptr_m, kRowChunk);
 
-    // Phase 2 (per pool): h = silu(x Wg^T) * (x Wu^T) for one expert and one group of columns,
-    // quantized per (row, group) as soon as it is complete.
+    // Calls the kernel on rows [r0, r0 + m) of expert e, read from a tiled buffer.
+    auto gemm_rows = [&](int e, int64_t r0, int m, const uint8_t* rows_base, int64_t row_bytes,
+                         const float* scales, const float* sums, int64_t groups_per_row,
+                         int64_t kdim, const uint8_t* panels, int npan, float* c, int64_t ldc) {
+      for (int i = 0; i < m; ++i) {
+        const int64_t r = r0 + i;
+        ptr_a[i] = tiled_row(const_cast<uint8_t*>(rows_base), r + expert_of_rows(e), row_bytes);
+        if (quantized) {
+          ptr_s[i] = scales + (sums ? r : ws.row_token[r]) * groups_per_row;
+          ptr_m[i] = (sums ? sums : ws.x_sum.data()) + (sums ? r : ws.row_token[r]) * groups_per_row;
+        }
+      }
+      if (quantized) {
+        const QuantRows a{reinterpret_cast<const int8_t* const*>(ptr_a.data()), kTiledChunkStride,
+                          reinterpret_cast<const float* const*>(ptr_s.data()),
+                          reinterpret_cast<const float* const*>(ptr_m.data())};
+        gemm_q(m, kdim, G, a, panels, npan, c, ldc);
+      } else {
+        const Bf16Rows a{reinterpret_cast<const uint16_t* const*>(ptr_a.data()), kTiledChunkStride};
+        table_.gemm_bf16(m, kdim, a, panels, npan, c, ldc);
+      }
+    };
+
+    // Phase 2 (per pool): h = silu(x Wg^T) * (x Wu^T) for one expert and one group of
+    // intermediate channels, quantized per (row, group) as soon as it is complete.
     guarded([&] {
-      grow(c_gate, kRowChunk * Gh), grow(c_up, kRowChunk * Gh), grow(h_row, Gh);
-      const int64_t gate_panel = panel_bytes(config_.method, G, Hp);
-      const int npan = Gh / kPanelWidth;
+      const int npan = static_cast<int>(Gh / kPanelWidth);
+      const int64_t ldc = 2 * Gh;
+      grow(c_buf, kRowChunk * ldc), grow(h_row, Gh), grow(h_q, Gh);
+      const int64_t block_bytes = 2 * npan * panel_bytes(config_.method, G, Hp);
       const int64_t items = static_cast<int64_t>(ws.active.size()) * slice_groups;
       for_each_item(ws.phase_counter[ctx.pool][0].value, items, [&](int64_t item) {
         const int e = ws.active[item / slice_groups];
         const int64_t gl = item % slice_groups;
-        const int64_t off = gl * npan * gate_panel;
-        const uint8_t* wg = pw.gate + e * pw.gate_bytes + off;
-        const uint8_t* wu = pw.up + e * pw.gate_bytes + off;
+        const uint8_t* w = pw.gate_up + e * pw.gate_up_bytes + gl * block_bytes;
         for (int64_t r0 = ws.offsets[e]; r0 < ws.offsets[e + 1]; r0 += kRowChunk) {
           const int m = static_cast<int>(std::min<int64_t>(kRowChunk, ws.offsets[e + 1] - r0));
-          for (int i = 0; i < m; ++i) {
-            const int64_t t = ws.row_token[r0 + i];
-            if (quantized) {
-              ptr_q[i] = ws.x_q.data() + t * Hp;
-              ptr_s[i] = ws.x_scale.data() + t * (Hp / G);
-              ptr_m[i] = ws.x_sum.data() + t * (Hp / G);
-            } else {
-              ptr_q[i] = ws.x_bf16.data() + t * Hp;
-            }
-          }
-          if (quantized) {
-            const QuantRows a{reinterpret_cast<const int8_t* const*>(ptr_q.data()),
-                              reinterpret_cast<const float* const*>(ptr_s.data()),
-                              reinterpret_cast<const float* const*>(ptr_m.data())};
-            gemm_q(m, Hp, G, a, wg, npan, c_gate.data(), Gh);
-            gemm_q(m, Hp, G, a, wu, npan, c_up.data(), Gh);
-          } else {
-            const auto* a = reinterpret_cast<const uint16_t* const*>(ptr_q.data());
-            table_.gemm_bf16(m, Hp, a, wg, npan, c_gate.data(), Gh);
-            table_.gemm_bf16(m, Hp, a, wu, npan, c_up.data(), Gh);
-          }
+          gemm_rows(e, r0, m, ws.x_rows.data(), Hp * elem, ws.x_scale.data(), nullptr, Hp / G, Hp, w,
+                    2 * npan, c_buf.data(), ldc);
           for (int i = 0; i < m; ++i) {
             const int64_t r = r0 + i;
-            const float* cg = c_gate.data() + i * Gh;
-            const float* cu = c_up.data() + i * Gh;
+            const float* cg = c_buf.data() + i * ldc;
+            const float* cu = cg + Gh;
+            uint8_t* dst = tiled_row(ps.h_rows.data(), r + expert_of_rows(e), slice * elem);
+            for (int j = 0; j < Gh; ++j) h_row[j] = silu(cg[j]) * cu[j];
             if (quantized) {
-              for (int j = 0; j < Gh; ++j) h_row[j] = silu(cg[j]) * cu[j];
-              quantize_activation_row(h_row.data(), Gh, G, ps.h_q.data() + r * slice + gl * Gh,
-                                      ps.h_scale.data() + r * (slice / G) + gl,
+              quantize_activation_row(h_row.data(), Gh, G, h_q.data(), ps.h_scale.data() + r * (slice / G) + gl,
                                       ps.h_sum.data() + r * (slice / G) + gl);
+              store_tiled(dst, gl * Gh, h_q.data(), Gh);
             } else {
-              uint16_t* h = ps.h_bf16.data() + r * slice + gl * Gh;
-              for (int j = 0; j < Gh; ++j) h[j] = float_to_bf16(silu(cg[j]) * cu[j]);
+              uint16_t hb[kKAlign];
+              for (int j = 0; j < Gh; ++j) hb[j] = float_to_bf16(h_row[j]);
+              store_tiled(dst, gl * Gh * 2, hb, Gh * 2);
             }
           }
         }
@@ -414,40 +464,25 @@ void MoeLayer::forward_task(const ForwardArgs& args, const WorkerContext& ctx) {
       if (slice == 0) return;
       const int64_t down_panel = panel_bytes(config_.method, G, slice);
       const int64_t panels = Hy / kPanelWidth;
-      const int64_t blocks = (panels + kDownPanels - 1) / kDownPanels;
-      const int ldc = kDownPanels * kPanelWidth;
-      grow(c_gate, kRowChunk * ldc);
+      // Few, wide items (h is re-read per item) but enough of them to balance the pool's workers.
+      const int per_item = static_cast<int>(std::clamp<int64_t>(panels / (4 * ctx.pool_size), kMinDownPanels, kMaxDownPanels));
+      const int64_t blocks = (panels + per_item - 1) / per_item;
+      const int ldc = per_item * kPanelWidth;
+      grow(c_buf, kRowChunk * ldc);
       for_each_item(ws.phase_counter[ctx.pool][1].value, blocks, [&](int64_t b) {
-        const int64_t p0 = b * kDownPanels;
-        const int npan = static_cast<int>(std::min<int64_t>(kDownPanels, panels - p0));
+        const int64_t p0 = b * per_item;
+        const int npan = static_cast<int>(std::min<int64_t>(per_item, panels - p0));
         for (int e : ws.active) {
-          const uint8_t* wd = pw.down + e * pw.down_bytes + p0 * down_panel;
+          const uint8_t* w = pw.down + e * pw.down_bytes + p0 * down_panel;
           for (int64_t r0 = ws.offsets[e]; r0 < ws.offsets[e + 1]; r0 += kRowChunk) {
             const int m = static_cast<int>(std::min<int64_t>(kRowChunk, ws.offsets[e + 1] - r0));
+            gemm_rows(e, r0, m, ps.h_rows.data(), slice * elem, ps.h_scale.data(), ps.h_sum.data(),
+                      slice / G, slice, w, npan, c_buf.data(), ldc);
             for (int i = 0; i < m; ++i) {
-              const int64_t r = r0 + i;
-              if (quantized) {
-                ptr_q[i] = ps.h_q.data() + r * slice;
-                ptr_s[i] = ps.h_scale.data() + r * (slice / G);
-                ptr_m[i] = ps.h_sum.data() + r * (slice / G);
-              } else {
-                ptr_q[i] = ps.h_bf16.data() + r * slice;
-              }
-            }
-            if (quantized) {
-              const QuantRows a{reinterpret_cast<const int8_t* const*>(ptr_q.data()),
-                                reinterpret_cast<const float* const*>(ptr_s.data()),
-                                reinterpret_cast<const float* const*>(ptr_m.data())};
-              gemm_q(m, slice, G, a, wd, npan, c_gate.data(), ldc);
-            } else {
-              table_.gemm_bf16(m, slice, reinterpret_cast<const uint16_t* const*>(ptr_q.data()), wd,
-                               npan, c_gate.data(), ldc);
-            }
-            for (int i = 0; i < m; ++i) {
-              const float w = ws.row_weight[r0 + i];
+              const float wt = ws.row_weight[r0 + i];
               float* y = ps.y.data() + ws.row_token[r0 + i] * Hy + p0 * kPanelWidth;
-              const float* c = c_gate.data() + i * ldc;
-              for (int j = 0; j < npan * kPanelWidth; ++j) y[j] += w * c[j];
+              const float* c = c_buf.data() + i * ldc;
+              for (int j = 0; j < npan * kPanelWidth; ++j) y[j] += wt * c[j];
             }
           }
         }
@@ -460,9 +495,9 @@ void MoeLayer::forward_task(const ForwardArgs& args, const WorkerContext& ctx) {
       for (int64_t t = ctx.tid; t < Tc; t += ctx.num_threads) {
         uint16_t* out = args.out + (c0 + t) * H;
         for (int64_t n = 0; n < H; ++n) {
-          float s = args.incremental ? bf16_to_float(out[n]) : 0.0f;
-          for (int p = 0; p < P; ++p) s += ws.pools[p].y[t * Hy + n];
-          out[n] = float_to_bf16(s);
+          float v = args.incremental ? bf16_to_float(out[n]) : 0.0f;
+          for (int p = 0; p < P; ++p) v += ws.pools[p].y[t * Hy + n];
+          out[n] = float_to_bf16(v);
         }
       }
     });

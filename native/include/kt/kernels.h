@@ -8,17 +8,31 @@
 
 namespace kt {
 
-// Rows of int8 activations quantized per (row, group): a ~= scale * q, and scaled_sum = scale * sum(q)
-// over the group (it carries the weights' zero points).
+// Activation rows as the kernels read them. A row is a sequence of 64-byte K-chunks: chunk c of
+// row i starts at row[i] + c * chunk_stride. Plain row-major rows have chunk_stride = 64; the
+// engine's gathered layout (rows in blocks of 32, chunk c of the block holding its 32 rows' chunks
+// back to back) has chunk_stride = 32 * 64, which AMX loads as tiles without a copy.
+inline constexpr int64_t kChunkBytes = 64;
+inline constexpr int kRowBlock = 32;
+inline constexpr int64_t kTiledChunkStride = kRowBlock * kChunkBytes;
+
+struct Bf16Rows {
+  const uint16_t* const* rows;  // m row pointers
+  int64_t chunk_stride;
+};
+
+// int8 activations quantized per (row, group): a ~= scale * q, scaled_sum = scale * sum(q) over the
+// group (it carries the weights' zero points).
 struct QuantRows {
-  const int8_t* const* q;        // m row pointers, K int8 each
-  const float* const* scale;     // m row pointers, K / group floats each
+  const int8_t* const* rows;  // m row pointers
+  int64_t chunk_stride;
+  const float* const* scale;  // m row pointers, K / group floats each
   const float* const* scaled_sum;
 };
 
 // C[i][j] for rows i < m and channels j < 16 * npanels of the consecutive panels starting at
 // `panels` (layout in quant_types.h), K a multiple of the group; written, not accumulated.
-using GemmBf16Fn = void (*)(int m, int64_t K, const uint16_t* const* a, const uint8_t* panels,
+using GemmBf16Fn = void (*)(int m, int64_t K, const Bf16Rows& a, const uint8_t* panels,
                             int npanels, float* c, int64_t ldc);
 using GemmQuantFn = void (*)(int m, int64_t K, int group, const QuantRows& a,
                              const uint8_t* panels, int npanels, float* c, int64_t ldc);
@@ -41,7 +55,7 @@ Isa selected_isa();
 namespace kernels {
 #define KT_DECLARE_KERNELS(ns)                                                                    \
   namespace ns {                                                                                  \
-  void gemm_bf16(int m, int64_t K, const uint16_t* const* a, const uint8_t* panels, int npanels, \
+  void gemm_bf16(int m, int64_t K, const Bf16Rows& a, const uint8_t* panels, int npanels,       \
                  float* c, int64_t ldc);                                                          \
   void gemm_int8(int m, int64_t K, int group, const QuantRows& a, const uint8_t* panels,          \
                  int npanels, float* c, int64_t ldc);                                             \

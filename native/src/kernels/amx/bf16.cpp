@@ -3,25 +3,23 @@
 #include <algorithm>
 #include <vector>
 
-#include "kt/kernels.h"
 #include "kt/quant_types.h"
 #include "tile_config.h"
 
 namespace kt::kernels::amx {
 
-void gemm_bf16(int m, int64_t K, const uint16_t* const* a, const uint8_t* panels, int npanels,
-               float* c, int64_t ldc) {
+void gemm_bf16(int m, int64_t K, const Bf16Rows& a, const uint8_t* panels, int npanels, float* c,
+               int64_t ldc) {
   if (m <= 4) return avx512::gemm_bf16(m, K, a, panels, npanels, c, ldc);
   configure_tiles();
   const int64_t pbytes = panel_bytes(Method::kBf16, kKAlign, K);
   thread_local std::vector<uint8_t> stage;
   thread_local float out[32][32];
-  if (stage.size() < static_cast<size_t>(32 * K * 2)) stage.resize(32 * K * 2);
-  for (int rb = 0; rb < m; rb += 32) {
-    const int rows = std::min(32, m - rb);
-    int64_t lda;
-    const uint8_t* A = strided_rows(reinterpret_cast<const uint8_t* const*>(a + rb), rows, K * 2,
-                                    stage.data(), lda);
+  if (stage.size() < static_cast<size_t>(kRowBlock * K * 2)) stage.resize(kRowBlock * K * 2);
+  for (int rb = 0; rb < m; rb += kRowBlock) {
+    const int rows = std::min(kRowBlock, m - rb);
+    const uint8_t* A = tiled_block(reinterpret_cast<const uint8_t* const*>(a.rows + rb),
+                                   a.chunk_stride, rows, K * 2, stage.data());
     for (int p = 0; p < npanels; p += 2) {
       const bool two = p + 1 < npanels;
       const uint8_t* b0 = panels + p * pbytes;
@@ -31,8 +29,8 @@ void gemm_bf16(int m, int64_t K, const uint16_t* const* a, const uint8_t* panels
       _tile_zero(2);
       _tile_zero(3);
       for (int64_t kt = 0; kt < K / 32; ++kt) {
-        _tile_loadd(4, A + kt * 64, lda);
-        _tile_loadd(5, A + 16 * lda + kt * 64, lda);
+        _tile_loadd(4, A + kt * kTiledChunkStride, 64);
+        _tile_loadd(5, A + kt * kTiledChunkStride + 16 * 64, 64);
         _tile_loadd(6, b0 + kt * 1024, 64);
         _tile_loadd(7, b1 + kt * 1024, 64);
         _tile_dpbf16ps(0, 4, 6);
@@ -45,8 +43,7 @@ void gemm_bf16(int m, int64_t K, const uint16_t* const* a, const uint8_t* panels
       _tile_stored(2, &out[16][0], 128);
       _tile_stored(3, &out[16][16], 128);
       const int width = two ? 32 : 16;
-      for (int i = 0; i < rows; ++i)
-        std::copy_n(out[i], width, c + (rb + i) * ldc + p * kPanelWidth);
+      for (int i = 0; i < rows; ++i) std::copy_n(out[i], width, c + (rb + i) * ldc + p * kPanelWidth);
     }
   }
 }

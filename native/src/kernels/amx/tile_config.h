@@ -7,6 +7,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "kt/kernels.h"
+
 namespace kt::kernels::amx {
 
 struct alignas(64) TileConfig {
@@ -27,26 +29,23 @@ inline void configure_tiles() {
   _tile_loadconfig(&cfg);
 }
 
-// Rows a[0..rows) as one strided matrix: the rows themselves when evenly spaced, else a copy in
-// `stage` (zero-filled to 32 rows). Returns the base and sets `stride` (bytes).
-inline const uint8_t* strided_rows(const uint8_t* const* a, int rows, int64_t row_bytes,
-                                   uint8_t* stage, int64_t& stride) {
-  if (rows == 32) {
-    const int64_t s = a[1] - a[0];
-    bool even = s >= row_bytes;
-    for (int i = 2; i < rows && even; ++i) even = a[i] - a[i - 1] == s;
-    if (even) {
-      stride = s;
-      return a[0];
+// The base of a block of up to 32 activation rows in the tiled layout (kt/kernels.h): the rows
+// themselves when they already are one, else a copy in `stage` (32 * K bytes, missing rows zero).
+// Chunk c of row i is then at base + c * kTiledChunkStride + i * 64.
+inline const uint8_t* tiled_block(const uint8_t* const* rows, int64_t chunk_stride, int nrows,
+                                  int64_t row_bytes, uint8_t* stage) {
+  bool tiled = chunk_stride == kTiledChunkStride;
+  for (int i = 1; i < nrows && tiled; ++i) tiled = rows[i] == rows[0] + i * kChunkBytes;
+  if (tiled) return rows[0];
+  const int64_t chunks = row_bytes / kChunkBytes;
+  for (int i = 0; i < kRowBlock; ++i)
+    for (int64_t c = 0; c < chunks; ++c) {
+      uint8_t* dst = stage + c * kTiledChunkStride + i * kChunkBytes;
+      if (i < nrows)
+        std::memcpy(dst, rows[i] + c * chunk_stride, kChunkBytes);
+      else
+        std::memset(dst, 0, kChunkBytes);
     }
-  }
-  for (int i = 0; i < 32; ++i) {
-    if (i < rows)
-      std::memcpy(stage + i * row_bytes, a[i], row_bytes);
-    else
-      std::memset(stage + i * row_bytes, 0, row_bytes);
-  }
-  stride = row_bytes;
   return stage;
 }
 

@@ -4,8 +4,8 @@
 
 #include <immintrin.h>
 
+#include "../activations.h"
 #include "../epilogue.h"
-#include "kt/kernels.h"
 
 namespace kt::kernels::avx2 {
 
@@ -27,11 +27,12 @@ void gemm_quant(int m, int64_t K, int group, const QuantRows& a, const uint8_t* 
       __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
       for (int64_t gi = 0; gi < K / group; ++gi) {
         const uint8_t* w = panel + gi * gbytes;
-        const int32_t* aq = reinterpret_cast<const int32_t*>(a.q[i] + gi * group);
+        const int64_t k0 = gi * group;
         __m256i d[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
         if constexpr (M == Method::kInt8) {
           for (int r = 0; r < group / 4; ++r) {
-            const __m256i av = _mm256_set1_epi32(aq[r]);
+            const auto* x = reinterpret_cast<const int32_t*>(quant_at(a, i, k0 + 4 * r));
+            const __m256i av = _mm256_set1_epi32(*x);
             for (int h = 0; h < 2; ++h) {
               const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * 64 + h * 32));
               d[h] = dot4(d[h], _mm256_and_si256(v, nibble), av, ones);
@@ -40,8 +41,10 @@ void gemm_quant(int m, int64_t K, int group, const QuantRows& a, const uint8_t* 
           }
         } else {
           const int half = group / 8;
+          const auto* lo_x = reinterpret_cast<const int32_t*>(quant_at(a, i, k0));
+          const auto* hi_x = reinterpret_cast<const int32_t*>(quant_at(a, i, k0 + group / 2));
           for (int r = 0; r < half; ++r) {
-            const __m256i alo = _mm256_set1_epi32(aq[r]), ahi = _mm256_set1_epi32(aq[r + half]);
+            const __m256i alo = _mm256_set1_epi32(lo_x[r]), ahi = _mm256_set1_epi32(hi_x[r]);
             for (int h = 0; h < 2; ++h) {
               const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * 64 + h * 32));
               d[h] = dot4(d[h], _mm256_and_si256(v, nibble), alo, ones);

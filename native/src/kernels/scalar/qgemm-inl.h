@@ -1,6 +1,7 @@
 // Portable twin of the quantized GEMMs (INT8 and INT4 share it; see ../epilogue.h).
 #pragma once
 
+#include "../activations.h"
 #include "../epilogue.h"
 #include "kt/kernels.h"
 
@@ -18,11 +19,11 @@ void gemm_quant(int m, int64_t K, int group, const QuantRows& a, const uint8_t* 
       float acc[kPanelWidth] = {};
       for (int64_t gi = 0; gi < K / group; ++gi) {
         const uint8_t* w = panel + gi * gbytes;
-        const int8_t* q = a.q[i] + gi * group;
         const float sa = a.scale[i][gi], ssum = a.scaled_sum[i][gi];
         for (int n = 0; n < kPanelWidth; ++n) {
           int32_t d = 0;
-          for (int k = 0; k < group; ++k) d += int32_t{q[k]} * packed_weight<M>(w, group, n, k);
+          for (int k = 0; k < group; ++k)
+            d += int32_t{*quant_at(a, i, gi * group + k)} * packed_weight<M>(w, group, n, k);
           const float ws = GroupScales<M>::scale(w + wbytes, n);
           const float wm = GroupScales<M>::offset(w + wbytes, n);
           acc[n] += static_cast<float>(d) * (sa * ws) + ssum * wm;
