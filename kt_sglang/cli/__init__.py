@@ -1,0 +1,1 @@
+"""The `kt-sglang` command."""

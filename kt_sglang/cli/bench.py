@@ -1,0 +1,238 @@
+"""`kt-sglang bench`: one MoE layer on the CPU engine, against an in-run torch baseline.
+
+Reports decode latency (T = 1, 4, 16) and prefill tokens/s (T = 128, 512, 2048) per method, the
+effective bandwidth (bytes of the experts a call touches / its time) as a fraction of the read
+bandwidth measured in the same run, effective TOPS (2 * T * k * 3 * H * I / time) and the relative
+error against the float32 reference. Layer weights are cycled over enough copies that the working
+set exceeds the last-level cache. Medians over repeats; JSON out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+LAYERS = {
+    # name: (hidden, intermediate, experts, top_k)
+    "qwen3-30b-a3b": (2048, 768, 128, 8),
+    "deepseek-v3": (7168, 2048, 64, 8),
+    "quick": (1024, 384, 32, 4),
+}
+METHODS = ("BF16", "AMXINT8", "AMXINT4")
+DECODE_TOKENS = (1, 4, 16)
+PREFILL_TOKENS = (128, 512, 2048)
+
+
+@dataclass
+class BenchConfig:
+    layers: list[str] = field(default_factory=lambda: ["qwen3-30b-a3b", "deepseek-v3"])
+    methods: list[str] = field(default_factory=lambda: list(METHODS))
+    threads: list[int] = field(default_factory=lambda: [2])
+    decode_tokens: list[int] = field(default_factory=lambda: list(DECODE_TOKENS))
+    prefill_tokens: list[int] = field(default_factory=lambda: list(PREFILL_TOKENS))
+    working_set_gib: float = 2.0
+    repeats: int = 7
+    baseline: bool = True
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true", help="a small layer, few repeats (seconds)")
+    p.add_argument("--layers", nargs="+", choices=sorted(LAYERS), help="layer shapes to run")
+    p.add_argument("--methods", nargs="+", choices=METHODS, help="methods to run")
+    p.add_argument("--threads", nargs="+", type=int, help="thread counts (default: 2)")
+    p.add_argument("--repeats", type=int, help="timed repeats per point (median reported)")
+    p.add_argument("--working-set-gib", type=float, help="cycle weights over at least this many GiB")
+    p.add_argument("--no-baseline", action="store_true", help="skip the torch per-expert baseline")
+    p.add_argument("--out", type=Path, help="write the JSON results here")
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    cfg = BenchConfig()
+    if args.quick:
+        cfg = BenchConfig(layers=["quick"], threads=[min(2, _cores())], decode_tokens=[1, 16],
+                          prefill_tokens=[128], working_set_gib=0.0, repeats=3)
+    for name in ("layers", "methods", "threads", "repeats", "working_set_gib"):
+        if getattr(args, name) is not None:
+            setattr(cfg, name, getattr(args, name))
+    if args.no_baseline:
+        cfg.baseline = False
+    results = run_benchmark(cfg)
+    print_table(results)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=2))
+        print(f"wrote {args.out}")
+    return 0
+
+
+def _cores() -> int:
+    from kt_sglang.engine.pools import physical_cores
+
+    return physical_cores()
+
+
+def read_bandwidth_gbs(threads: int, gib: float = 1.0, repeats: int = 5) -> float:
+    """Read-only bandwidth: summing an fp32 array far larger than the caches, median of repeats."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    x = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32)
+    x.sum()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - t)
+    torch.set_num_threads(old)
+    return x.numel() * 4 / statistics.median(times) / 1e9
+
+
+def _routing(tokens: int, experts: int, top_k: int, gen: torch.Generator):
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=gen)
+    return ids, weights / weights.sum(-1, keepdim=True)
+
+
+def _source_weights(hidden: int, inter: int, experts: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    gate = torch.empty(experts, inter, hidden, dtype=torch.bfloat16)
+    up = torch.empty_like(gate)
+    down = torch.empty(experts, hidden, inter, dtype=torch.bfloat16)
+    for e in range(experts):  # one expert at a time keeps the float32 temporaries small
+        gate[e] = torch.randn(inter, hidden, generator=gen) / hidden**0.5
+        up[e] = torch.randn(inter, hidden, generator=gen) / hidden**0.5
+        down[e] = torch.randn(hidden, inter, generator=gen) / inter**0.5
+    return gate, up, down
+
+
+def _median_time(fn, calls: int) -> float:
+    times = []
+    for i in range(calls):
+        t = time.perf_counter()
+        fn(i)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def _torch_moe(x, gate, up, down, ids, weights):
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    for e in ids.unique().tolist():
+        tok, slot = (ids == e).nonzero(as_tuple=True)
+        xe = x[tok]
+        h = torch.nn.functional.silu(xe @ gate[e].T) * (xe @ up[e].T)
+        out.index_add_(0, tok, ((h @ down[e].T) * weights[tok, slot, None].to(h.dtype)).float())
+    return out
+
+
+def run_benchmark(cfg: BenchConfig) -> dict:
+    from tqdm import tqdm
+
+    from kt_sglang.engine import KTMoEWrapper, SharedRunner
+    from kt_sglang.engine.native import _native
+    from kt_sglang.engine.reference import moe_reference, relative_error
+
+    results: dict = {
+        "machine": {
+            "cpu": _native.cpu_features()["brand"],
+            "isa": _native.selected_isa(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+        },
+        "config": asdict(cfg),
+        "bandwidth_gbs": {},
+        "rows": [],
+    }
+    gen = torch.Generator().manual_seed(1)
+    for threads in cfg.threads:
+        results["bandwidth_gbs"][threads] = read_bandwidth_gbs(threads)
+    for layer in cfg.layers:
+        H, I, E, k = LAYERS[layer]
+        gate, up, down = _source_weights(H, I, E, seed=0)
+        x_acc = torch.randn(64, H, generator=gen).bfloat16()
+        ids_acc, w_acc = _routing(64, E, k, gen)
+        ref = moe_reference(x_acc, gate, up, down, ids_acc, w_acc)
+        for threads in cfg.threads:
+            bw = results["bandwidth_gbs"][threads]
+            if cfg.baseline:
+                results["rows"].append(
+                    _bench_baseline(layer, threads, bw, gate, up, down, cfg, gen)
+                )
+            for method in cfg.methods:
+                SharedRunner.reset()
+                first = KTMoEWrapper(0, E, k, H, I, None, threads, 1, method=method)
+                first.load_weights_from_tensors(gate, up, down)
+                copies = max(1, -(-int(cfg.working_set_gib * 2**30) // first.packed_bytes))
+                layers = [first]
+                for c in tqdm(range(1, copies), desc=f"{layer} {method}: layer copies", leave=False,
+                              disable=copies <= 1):
+                    w = KTMoEWrapper(c, E, k, H, I, None, threads, 1, method=method)
+                    w.load_weights_from_tensors(gate, up, down)
+                    layers.append(w)
+                row = {
+                    "layer": layer, "method": method, "threads": threads, "isa": first.isa,
+                    "group_size": first.group_size, "copies": copies,
+                    "working_set_gib": copies * first.packed_bytes / 2**30,
+                    "rel_error": relative_error(first.forward(x_acc, ids_acc, w_acc), ref),
+                    "decode": {}, "prefill": {},
+                }
+                bytes_per_expert = first.packed_bytes / E
+                for T in cfg.decode_tokens + cfg.prefill_tokens:
+                    x = torch.randn(T, H, generator=gen).bfloat16()
+                    ids, wts = _routing(T, E, k, gen)
+                    layers[0].forward(x, ids, wts)  # warm: scratch sized once
+                    calls = max(cfg.repeats, copies) if T <= 16 else cfg.repeats
+                    t = _median_time(lambda i: layers[i % copies].forward(x, ids, wts), calls)
+                    touched = ids.unique().numel() * bytes_per_expert
+                    point = {
+                        "ms": t * 1e3, "tokens_per_s": T / t,
+                        "eff_gbs": touched / t / 1e9, "bw_fraction": touched / t / 1e9 / bw,
+                        "tops": 2 * T * k * 3 * H * I / t / 1e12,
+                    }
+                    (row["decode"] if T in cfg.decode_tokens else row["prefill"])[T] = point
+                results["rows"].append(row)
+                del layers, first
+        del gate, up, down
+    return results
+
+
+def _bench_baseline(layer, threads, bw, gate, up, down, cfg: BenchConfig, gen) -> dict:
+    """Plain torch bf16 per-expert loop on `threads` intra-op threads, same shapes."""
+    H, I, E, k = LAYERS[layer]
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    copies = max(1, -(-int(cfg.working_set_gib * 2**30) // (gate.numel() * 2 * 3)))
+    weights = [(gate, up, down)] + [(gate.clone(), up.clone(), down.clone()) for _ in range(copies - 1)]
+    row = {"layer": layer, "method": "torch-bf16-baseline", "threads": threads, "copies": copies,
+           "decode": {}, "prefill": {}}
+    bytes_per_expert = 3 * H * I * 2
+    for T in cfg.decode_tokens + cfg.prefill_tokens:
+        x = torch.randn(T, H, generator=gen).bfloat16()
+        ids, wts = _routing(T, E, k, gen)
+        calls = max(cfg.repeats, copies) if T <= 16 else cfg.repeats
+        t = _median_time(lambda i: _torch_moe(x, *weights[i % copies], ids, wts), calls)
+        touched = ids.unique().numel() * bytes_per_expert
+        point = {"ms": t * 1e3, "tokens_per_s": T / t, "eff_gbs": touched / t / 1e9,
+                 "bw_fraction": touched / t / 1e9 / bw, "tops": 2 * T * k * 3 * H * I / t / 1e12}
+        (row["decode"] if T in cfg.decode_tokens else row["prefill"])[T] = point
+    torch.set_num_threads(old)
+    return row
+
+
+def print_table(results: dict) -> None:
+    print(f"CPU: {results['machine']['cpu']}, kernels: {results['machine']['isa']}")
+    for threads, bw in results["bandwidth_gbs"].items():
+        print(f"read bandwidth, {threads} thread(s): {bw:.1f} GB/s")
+    header = "| layer | method | threads | decode ms (T: ms, % of read BW) | prefill tok/s (T: tok/s, TOPS) | rel. error |"
+    print(header)
+    print("|---|---|---|---|---|---|")
+    for r in results["rows"]:
+        dec = ", ".join(f"{T}: {p['ms']:.2f} ({100 * p['bw_fraction']:.0f}%)" for T, p in r["decode"].items())
+        pre = ", ".join(f"{T}: {p['tokens_per_s']:.0f} ({p['tops']:.2f})" for T, p in r["prefill"].items())
+        err = f"{r['rel_error']:.4f}" if "rel_error" in r else "-"
+        print(f"| {r['layer']} | {r['method']} | {r['threads']} | {dec} | {pre} | {err} |")

@@ -1,0 +1,91 @@
+"""The `kt-sglang` command and the machine facts it reports (hwloc topology, CPU paths)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from kt_sglang.engine.native import _native
+from kt_sglang.engine.pools import plan_pools
+
+
+def kt_sglang(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    exe = shutil.which("kt-sglang", path=os.path.dirname(sys.executable))
+    assert exe, "the kt-sglang console script is not installed next to this Python"
+    return subprocess.run([exe, *args], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **(env or {})})
+
+
+def test_version():
+    r = kt_sglang("version")
+    assert r.returncode == 0
+    assert r.stdout.startswith("kt-sglang 0.1.0")
+    assert "kernel paths: scalar" in r.stdout
+
+
+def test_doctor_reports_machine():
+    r = kt_sglang("doctor")
+    assert r.returncode == 0, r.stdout + r.stderr
+    topo = _native.topology()
+    assert f"{len(topo['nodes'])} node(s)" in r.stdout
+    assert f"chosen path: {_native.best_isa()}" in r.stdout
+    for isa in _native.supported_isas():
+        assert isa in r.stdout
+    assert "torch" in r.stdout and "sglang" in r.stdout and "GPU:" in r.stdout
+
+
+def test_doctor_reports_bad_isa_variable():
+    r = kt_sglang("doctor", env={"KT_SGLANG_ISA": "avx9000"})
+    assert r.returncode == 1
+    assert "problem: KT_SGLANG_ISA='avx9000' is not an ISA path" in r.stdout
+
+
+def test_topology_matches_the_os():
+    topo = _native.topology()
+    cores = [c for n in topo["nodes"] for c in n["cores"]]
+    assert len(cores) == len(set(cores)) >= 1
+    assert set(cores) <= set(range(os.cpu_count()))
+    sysfs = "/sys/devices/system/node"
+    if os.path.isdir(sysfs):
+        nodes = [d for d in os.listdir(sysfs) if d.startswith("node") and d[4:].isdigit()]
+        assert len(topo["nodes"]) == max(1, len(nodes))
+
+
+def test_pool_plan_places_distinct_cores():
+    node = _native.topology()["nodes"][0]
+    if len(node["cores"]) < 2:
+        pytest.skip("needs a NUMA node with 2 cores")
+    layout = plan_pools(2, 2, [node["os_index"]] * 2)
+    assert layout.pools == 2
+    assert sorted(c for pool in layout.cpus for c in pool) == sorted(node["cores"][:2])
+
+
+def test_best_isa_follows_cpuid():
+    f = _native.cpu_features()
+    supported = _native.supported_isas()
+    assert supported[0] == "scalar"
+    assert ("amx" in supported) == (f["amx_int8"] and f["amx_bf16"] and f["amx_permitted"] and f["avx512_vnni"])
+    assert ("avx2" in supported) == (f["avx2"] and f["fma"] and f["os_avx"])
+
+
+@pytest.mark.slow
+def test_demo_runs_within_bounds():
+    r = kt_sglang("demo")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "all methods within their error bounds" in r.stdout
+
+
+def test_bench_quick_writes_json(tmp_path):
+    import json
+
+    out = tmp_path / "bench.json"
+    r = kt_sglang("bench", "--quick", "--methods", "AMXINT4", "--out", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    data = json.loads(out.read_text())
+    row = [r for r in data["rows"] if r["method"] == "AMXINT4"][0]
+    assert row["rel_error"] < 0.16
+    assert all(p["ms"] > 0 for p in row["decode"].values())

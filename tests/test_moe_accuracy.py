@@ -1,0 +1,169 @@
+"""The engine's MoE output against the float32 torch reference, every method on every ISA path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import isa_params, make_hidden, make_routing, make_weights
+from kt_sglang import KTMoEWrapper
+from kt_sglang.engine import SharedRunner
+from kt_sglang.engine.reference import moe_reference, relative_error
+
+# Relative L2 error bounds on N(0, 1/fan_in) weights and N(0, 1) inputs (the issue's bounds).
+BOUNDS = {"BF16": 0.01, "AMXINT8": 0.02, "AMXINT4": 0.16}
+METHODS = tuple(BOUNDS)
+
+# (experts, top_k, hidden, intermediate, tokens, tokens on the scalar path)
+SHAPES = [
+    pytest.param(8, 1, 2560, 320, 1, 1, id="E8-k1-H2560-I320-T1"),
+    pytest.param(16, 8, 2560, 320, 33, 33, id="E16-k8-H2560-I320-T33"),
+    pytest.param(128, 8, 256, 320, 64, 16, id="E128-k8-H256-I320-T64"),
+    pytest.param(8, 2, 2560, 1408, 1024, 24, id="E8-k2-H2560-I1408-T1024"),
+    pytest.param(64, 6, 384, 1408, 200, 20, id="E64-k6-H384-I1408-T200"),
+]
+
+
+def run_layer(method, isa, gate, up, down, x, ids, weights, mask=None, threads=2, pools=1, **kw):
+    E, I, H = gate.shape
+    layer = KTMoEWrapper(0, E, ids.shape[1], H, I, mask, threads, pools, method=method, isa=isa, **kw)
+    layer.load_weights_from_tensors(gate.bfloat16(), up.bfloat16(), down.bfloat16())
+    return layer.forward(x, ids, weights)
+
+
+@pytest.mark.parametrize("isa", isa_params())
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("E,k,H,I,T,T_scalar", SHAPES)
+def test_matches_reference(method, isa, E, k, H, I, T, T_scalar):
+    T = T_scalar if isa == "scalar" else T
+    gate, up, down = make_weights(E, I, H)
+    ids, weights = make_routing(T, E, k, skip_fraction=0.1)
+    mask = torch.zeros(E, dtype=torch.bool)
+    mask[torch.arange(0, E, 5)] = True  # these experts belong to the GPU: the CPU skips them
+    x = make_hidden(T, H)
+    out = run_layer(method, isa, gate, up, down, x, ids, weights, mask)
+    ref = moe_reference(x, gate, up, down, ids, weights, mask)
+    assert out.dtype == torch.bfloat16 and out.shape == (T, H)
+    assert relative_error(out, ref) <= BOUNDS[method]
+
+
+@pytest.mark.parametrize("isa", isa_params(("avx2", "avx512", "amx")))
+@pytest.mark.parametrize("method", METHODS)
+def test_every_isa_agrees_with_scalar(method, isa):
+    """Same packed weights, same quantized activations: only float summation order differs."""
+    E, k, H, I, T = 16, 4, 640, 448, 40
+    gate, up, down = make_weights(E, I, H, seed=3)
+    ids, weights = make_routing(T, E, k)
+    x = make_hidden(T, H)
+    expected = run_layer(method, "scalar", gate, up, down, x, ids, weights)
+    assert relative_error(run_layer(method, isa, gate, up, down, x, ids, weights), expected) <= 2e-3
+
+
+# Coarser groups trade accuracy for fewer scales; measured 0.127 / 0.145 / 0.158 for INT4 and
+# 0.015 / 0.018 / 0.020 for INT8 at 32 / 64 / 128.
+GROUP_BOUNDS = {
+    ("AMXINT8", 32): 0.018, ("AMXINT8", 64): 0.02, ("AMXINT8", 128): 0.023,
+    ("AMXINT4", 32): 0.14, ("AMXINT4", 64): 0.16, ("AMXINT4", 128): 0.175,
+}
+
+
+@pytest.mark.parametrize("method,group_size", sorted(GROUP_BOUNDS))
+def test_group_sizes(method, group_size):
+    E, k, H, I, T = 8, 2, 640, 320, 48
+    gate, up, down = make_weights(E, I, H, seed=4)
+    ids, weights = make_routing(T, E, k)
+    x = make_hidden(T, H)
+    out = run_layer(method, None, gate, up, down, x, ids, weights, group_size=group_size)
+    error = relative_error(out, moe_reference(x, gate, up, down, ids, weights))
+    assert error <= GROUP_BOUNDS[method, group_size]
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("threads,pools,numa_nodes", [(1, 1, None), (2, 1, None), (2, 2, [0, 0])])
+def test_threads_and_pools_agree(method, threads, pools, numa_nodes):
+    """Pools split the intermediate dimension; any split gives the same result up to rounding."""
+    E, k, H, I, T = 16, 4, 512, 704, 70
+    gate, up, down = make_weights(E, I, H, seed=5)
+    ids, weights = make_routing(T, E, k)
+    x = make_hidden(T, H)
+    ref = moe_reference(x, gate, up, down, ids, weights)
+    out = run_layer(method, None, gate, up, down, x, ids, weights, threads=threads, pools=pools,
+                    numa_nodes=numa_nodes)
+    assert relative_error(out, ref) <= BOUNDS[method]
+    SharedRunner.reset()  # the process-wide pools are fixed by the first layer; start others
+    single = run_layer(method, None, gate, up, down, x, ids, weights, threads=1, pools=1)
+    assert relative_error(out, single) <= 2e-3
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_incremental_adds_to_output(method):
+    from kt_sglang.engine.native import _native  # the wrapper writes; the engine can also add
+
+    E, k, H, I, T = 8, 2, 256, 192, 12
+    gate, up, down = make_weights(E, I, H, seed=6)
+    ids, weights = make_routing(T, E, k)
+    x = make_hidden(T, H)
+    layer = KTMoEWrapper(0, E, k, H, I, None, 2, 1, method=method)
+    layer.load_weights_from_tensors(gate.bfloat16(), up.bfloat16(), down.bfloat16())
+    base = torch.randn(T, H).bfloat16()
+    out = base.clone()
+    ids32 = ids.to(torch.int32).contiguous()
+    task = layer._layer.submit_forward(T, 0, x.data_ptr(), ids32.data_ptr(), False, weights.data_ptr(),
+                                       0, out.data_ptr(), True)
+    layer._runner.wait(task)
+    expected = base.float() + moe_reference(x, gate, up, down, ids, weights)
+    assert relative_error(out, expected) <= BOUNDS[method]
+    assert _native.supported_isas()
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_prefill_in_chunks_equals_one_pass(method):
+    """chunked_prefill_size bounds the scratch; chunking must not change the result."""
+    E, k, H, I, T = 8, 2, 256, 320, 700
+    gate, up, down = make_weights(E, I, H, seed=7)
+    ids, weights = make_routing(T, E, k)
+    x = make_hidden(T, H)
+    whole = run_layer(method, None, gate, up, down, x, ids, weights)
+    chunked = run_layer(method, None, gate, up, down, x, ids, weights, chunked_prefill_size=256)
+    assert torch.equal(whole, chunked)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_outlier_weights(method):
+    """A few large entries per row, as in real checkpoints.
+
+    Bounds: 4 entries per row scaled x20 dominate their rows' norm, so plain rounding moves
+    little; group-wise scales confine the damage to the outliers' groups (for INT4 the step of such
+    a group grows ~8x). Measured: BF16 0.004, AMXINT8 0.02, AMXINT4 0.19; bounds leave ~1.3x margin.
+    """
+    bounds = {"BF16": 0.01, "AMXINT8": 0.03, "AMXINT4": 0.25}
+    E, k, H, I, T = 16, 4, 1024, 512, 64
+    gate, up, down = make_weights(E, I, H, seed=8, outliers=4)
+    ids, weights = make_routing(T, E, k)
+    x = make_hidden(T, H)
+    out = run_layer(method, None, gate, up, down, x, ids, weights)
+    assert relative_error(out, moe_reference(x, gate, up, down, ids, weights)) <= bounds[method]
+
+
+def test_physical_to_logical_map_selects_experts():
+    E_src, E, k, H, I, T = 12, 6, 2, 256, 192, 20
+    gate, up, down = make_weights(E_src, I, H, seed=9)
+    slots = [11, 3, 3, 0, 7, 5]
+    ids, weights = make_routing(T, E, k)
+    x = make_hidden(T, H)
+    layer = KTMoEWrapper(0, E, k, H, I, None, 2, 1, method="BF16")
+    layer.load_weights_from_tensors(gate.bfloat16(), up.bfloat16(), down.bfloat16(), slots)
+    ref = moe_reference(x, gate[slots], up[slots], down[slots], ids, weights)
+    assert relative_error(layer.forward(x, ids, weights), ref) <= BOUNDS["BF16"]
+
+
+def test_no_tokens_and_all_skipped():
+    E, k, H, I = 8, 2, 256, 192
+    gate, up, down = make_weights(E, I, H)
+    layer = KTMoEWrapper(0, E, k, H, I, None, 2, 1, method="AMXINT8")
+    layer.load_weights_from_tensors(gate.bfloat16(), up.bfloat16(), down.bfloat16())
+    empty = layer.forward(make_hidden(0, H), torch.zeros(0, k, dtype=torch.int64), torch.zeros(0, k))
+    assert empty.shape == (0, H)
+    ids = torch.full((5, k), -1)
+    out = layer.forward(make_hidden(5, H), ids, torch.rand(5, k))
+    assert torch.count_nonzero(out) == 0

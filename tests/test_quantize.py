@@ -1,0 +1,82 @@
+"""Canonical quantization (native) against torch re-implementations of the format."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kt_sglang.engine.native import _native
+
+
+def quantize(method: str, w: torch.Tensor, group: int):
+    N, K = w.shape
+    G = -(-K // group)
+    if method == "AMXINT8":
+        q = torch.empty(N, K, dtype=torch.int8)
+    else:
+        q = torch.empty(N, (K + 1) // 2, dtype=torch.uint8)
+    scales = torch.empty(N, G, dtype=torch.float16)
+    mins = torch.empty(N, G, dtype=torch.float16)
+    src = w.contiguous()
+    dtype = {torch.float32: _native.DType.float32, torch.bfloat16: _native.DType.bfloat16,
+             torch.float16: _native.DType.float16}[src.dtype]
+    _native.quantize_matrix(getattr(_native.Method, method), group, src.data_ptr(), dtype, N, K,
+                            q.data_ptr(), scales.data_ptr(), mins.data_ptr())
+    return q, scales, mins
+
+
+def unpack_int4(q: torch.Tensor, K: int) -> torch.Tensor:
+    lo, hi = q & 0x0F, q >> 4
+    return torch.stack([lo, hi], -1).reshape(q.shape[0], -1)[:, :K].float()
+
+
+def per_group(x: torch.Tensor, group: int) -> torch.Tensor:
+    """[N, K] -> [N, G, group] with the partial last group zero-padded."""
+    N, K = x.shape
+    G = -(-K // group)
+    return torch.nn.functional.pad(x, (0, G * group - K)).view(N, G, group)
+
+
+@pytest.mark.parametrize("group,K", [(32, 256), (64, 320), (128, 100)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_int8_matches_definition(group, K, dtype):
+    w = (torch.randn(24, K) * 0.05).to(dtype)
+    q, scales, _ = quantize("AMXINT8", w, group)
+    wf = w.float()
+    expected_scales = (per_group(wf, group).abs().amax(-1) / 127).half()
+    assert torch.equal(scales, expected_scales)
+    s = scales.float().repeat_interleave(group, 1)[:, :K]
+    expected_q = torch.clamp(torch.round(wf / s), -127, 127).to(torch.int8)
+    assert (q.int() - expected_q.int()).abs().max() <= 1  # ties may round either way after fp16
+    assert (q.float() * s - wf).abs().max() <= (s / 2).max() * 1.01
+
+
+@pytest.mark.parametrize("group,K", [(32, 256), (64, 320), (128, 100)])
+def test_int4_layout_and_search(group, K):
+    w = torch.randn(16, K) * 0.03
+    q, scales, mins = quantize("AMXINT4", w, group)
+    s = scales.float().repeat_interleave(group, 1)[:, :K]
+    m = mins.float().repeat_interleave(group, 1)[:, :K]
+    deq = unpack_int4(q, K) * s + m
+    err = per_group(deq - w, group).pow(2).sum(-1)
+    # The search starts from plain min/max: it can only do better, group by group.
+    lo = per_group(w, group).amin(-1).half().float()
+    hi = per_group(w, group).amax(-1)
+    step = ((hi - per_group(w, group).amin(-1)) / 15).half().float()
+    base = torch.clamp(torch.round((per_group(w, group) - lo[..., None]) / step[..., None]), 0, 15)
+    base_err = (base * step[..., None] + lo[..., None] - per_group(w, group))
+    if K % group:  # padding columns are not part of the matrix
+        base_err[:, -1, K % group:] = 0
+    base_err = base_err.pow(2).sum(-1)
+    assert torch.all(err <= base_err * 1.0001 + 1e-12)
+    assert float(per_group(deq - w, group).norm() / w.norm()) < 0.095
+
+
+def test_constant_and_zero_groups():
+    w = torch.zeros(4, 64)
+    w[1] = 0.25
+    q8, s8, _ = quantize("AMXINT8", w, 32)
+    assert torch.all(q8[0] == 0) and torch.all(s8[0] == 0)
+    q4, s4, m4 = quantize("AMXINT4", w, 32)
+    deq = unpack_int4(q4, 64) * s4.float().repeat_interleave(32, 1) + m4.float().repeat_interleave(32, 1)
+    assert torch.allclose(deq, w)

@@ -1,0 +1,71 @@
+"""The asynchronous runner: ordering, sync semantics, errors surfacing at sync."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import make_hidden, make_routing, make_weights
+from kt_sglang import KTMoEWrapper
+from kt_sglang.engine.native import _native
+
+
+def build_layers(n, method="AMXINT8", E=16, k=4, H=512, I=256):
+    layers = []
+    for i in range(n):
+        gate, up, down = make_weights(E, I, H, seed=100 + i)
+        w = KTMoEWrapper(i, E, k, H, I, None, 2, 1, method=method)
+        w.load_weights_from_tensors(gate.bfloat16(), up.bfloat16(), down.bfloat16())
+        layers.append(w)
+    return layers
+
+
+def test_back_to_back_equals_one_by_one():
+    layers = build_layers(6)
+    inputs = [(make_hidden(37, 512, seed=i), *make_routing(37, 16, 4, seed=i)) for i in range(6)]
+    one_by_one = [layer.forward(*args) for layer, args in zip(layers, inputs)]
+    for layer, args in zip(layers, inputs):
+        layer.submit_forward(*args)
+    back_to_back = [layer.sync_forward(args[0]) for layer, args in zip(layers, inputs)]
+    for a, b in zip(one_by_one, back_to_back):
+        assert torch.equal(a, b)
+
+
+def test_sync_allow_pending():
+    layers = build_layers(4)
+    runner = layers[0]._runner
+    for i, layer in enumerate(layers):
+        layer.submit_forward(make_hidden(300, 512, seed=i), *make_routing(300, 16, 4, seed=i))
+    runner.sync(allow_pending=2)
+    assert runner.pending() <= 2
+    runner.sync(0)
+    assert runner.pending() == 0
+    for i, layer in enumerate(layers):  # results are there and right after the global sync
+        assert layer.sync_forward().shape == (300, 512)
+
+
+def test_task_error_surfaces_at_sync_once():
+    runner = _native.Runner([(0, [0])])
+    runner.submit_failing_task("boom in a task")
+    with pytest.raises(RuntimeError, match="boom in a task"):
+        runner.sync()
+    runner.sync()  # reported once; the runner keeps working
+
+
+def test_error_does_not_block_later_tasks():
+    layers = build_layers(1)
+    layer = layers[0]
+    x = make_hidden(8, 512)
+    ids, weights = make_routing(8, 16, 4)
+    expected = layer.forward(x, ids, weights)
+    layer._runner.submit_failing_task("first fails")
+    layer.submit_forward(x, ids, weights)
+    with pytest.raises(RuntimeError, match="first fails"):
+        layer.sync_forward(x)
+    layer.submit_forward(x, ids, weights)
+    assert torch.equal(layer.sync_forward(x), expected)
+
+
+def test_runner_rejects_empty_pools():
+    with pytest.raises(ValueError, match="at least one thread"):
+        _native.Runner([(0, [])])

@@ -1,0 +1,143 @@
+"""Bad input is a ValueError / RuntimeError naming the argument, never a crash."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import make_hidden, make_routing, make_weights
+from kt_sglang import KTMoEWrapper
+from kt_sglang.engine.pools import physical_cores
+
+E, K, H, I = 8, 2, 256, 192
+
+
+def new_layer(**kw):
+    args = dict(layer_idx=0, num_experts=E, num_experts_per_tok=K, hidden_size=H, moe_intermediate_size=I,
+                gpu_experts_mask=None, cpuinfer_threads=1, threadpool_count=1, method="AMXINT8")
+    args.update(kw)
+    return KTMoEWrapper(**args)
+
+
+@pytest.fixture
+def layer():
+    w = new_layer()
+    gate, up, down = make_weights(E, I, H)
+    w.load_weights_from_tensors(gate.bfloat16(), up.bfloat16(), down.bfloat16())
+    return w
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(num_experts_per_tok=9), "num_experts_per_tok=9 is larger than num_experts=8"),
+        (dict(num_experts=0), "num_experts must be a positive integer"),
+        (dict(hidden_size=-4), "hidden_size must be a positive integer"),
+        (dict(cpuinfer_threads=0), "cpuinfer_threads must be a positive integer"),
+        (dict(cpuinfer_threads=physical_cores() + 1), "more than the .* physical cores"),
+        (dict(threadpool_count=99, cpuinfer_threads=1), "threadpool_count=99"),
+        (dict(threadpool_count=2, cpuinfer_threads=1, numa_nodes=[0, 0]), "at least one thread per pool"),
+        (dict(numa_nodes=[7]), "numa_nodes names node 7"),
+        (dict(method="FP8"), "'FP8' is not supported yet"),
+        (dict(method="INT3"), "unknown method 'INT3'"),
+        (dict(group_size=48), "group_size=48 is not allowed for AMXINT8"),
+        (dict(isa="sse"), "isa='sse' is not an ISA path"),
+        (dict(gpu_experts_mask=torch.zeros(E - 1, dtype=torch.bool)), r"gpu_experts_mask has shape \(7,\)"),
+        (dict(gpu_experts_mask=torch.zeros(E, dtype=torch.int32)), "gpu_experts_mask has dtype torch.int32"),
+        (dict(chunked_prefill_size=0), "chunked_prefill_size must be a positive integer"),
+    ],
+)
+def test_constructor_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        new_layer(**kwargs)
+
+
+def test_more_pools_than_nodes_names_the_fix():
+    from kt_sglang.engine.pools import machine_nodes
+
+    n = len(machine_nodes())
+    if physical_cores() < n + 1:
+        pytest.skip("needs more cores than NUMA nodes")
+    with pytest.raises(ValueError, match=r"more than the .* NUMA node\(s\).*numa_nodes"):
+        new_layer(threadpool_count=n + 1, cpuinfer_threads=n + 1)
+
+
+def test_isa_env_variable(monkeypatch):
+    monkeypatch.setenv("KT_SGLANG_ISA", "avx9000")
+    with pytest.raises(ValueError, match="KT_SGLANG_ISA='avx9000' is not an ISA path"):
+        new_layer()
+    monkeypatch.setenv("KT_SGLANG_ISA", "scalar")
+    assert new_layer().isa == "scalar"
+
+
+def test_unsupported_isa_is_a_clear_error(monkeypatch):
+    from kt_sglang.engine.native import _native
+
+    missing = [i for i in ("avx2", "avx512", "amx") if i not in _native.supported_isas()]
+    if not missing:
+        pytest.skip("this CPU runs every ISA path, so none can be refused")
+    monkeypatch.setenv("KT_SGLANG_ISA", missing[0])
+    with pytest.raises(ValueError, match="this CPU cannot run"):
+        new_layer()
+
+
+def test_weight_errors():
+    w = new_layer()
+    gate, up, down = (t.bfloat16() for t in make_weights(E, I, H))
+    with pytest.raises(ValueError, match="up_proj has dtype torch.float32 but gate_proj has torch.bfloat16"):
+        w.load_weights_from_tensors(gate, up.float(), down)
+    with pytest.raises(ValueError, match="gate_proj has dtype torch.int8"):
+        w.load_weights_from_tensors(gate.to(torch.int8), up, down)
+    with pytest.raises(ValueError, match=r"down_proj has shape \(8, 192, 256\)"):
+        w.load_weights_from_tensors(gate, up, down.transpose(1, 2).contiguous())
+    with pytest.raises(ValueError, match="up_proj is not contiguous"):
+        w.load_weights_from_tensors(gate, up.transpose(1, 2).contiguous().transpose(1, 2), down)
+    with pytest.raises(ValueError, match="the tensors hold 4 experts but num_experts=8"):
+        w.load_weights_from_tensors(gate[:4].clone(), up[:4].clone(), down[:4].clone())
+    with pytest.raises(ValueError, match="physical_to_logical_map has 3 entries"):
+        w.load_weights_from_tensors(gate, up, down, [0, 1, 2])
+    with pytest.raises(ValueError, match=r"physical_to_logical_map names experts \[8\]"):
+        w.load_weights_from_tensors(gate, up, down, [0, 1, 2, 3, 4, 5, 6, 8])
+    with pytest.raises(RuntimeError, match="forward before the weights were loaded"):
+        w.forward(make_hidden(2, H), *make_routing(2, E, K))
+
+
+def test_forward_errors(layer):
+    x = make_hidden(3, H)
+    ids, weights = make_routing(3, E, K)
+    with pytest.raises(ValueError, match=r"hidden_states has shape \(3, 255\)"):
+        layer.forward(x[:, :255], ids, weights)
+    with pytest.raises(ValueError, match=r"topk_ids has shape \(3, 3\)"):
+        layer.forward(x, torch.zeros(3, 3, dtype=torch.int64), weights)
+    with pytest.raises(ValueError, match="topk_ids has dtype torch.float32"):
+        layer.forward(x, ids.float(), weights)
+    with pytest.raises(ValueError, match=r"topk_weights has shape \(2, 2\)"):
+        layer.forward(x, ids, weights[:2])
+    bad = ids.clone()
+    bad[1, 0] = E
+    with pytest.raises(ValueError, match=r"expert id 8, outside \[-1, 8\)"):
+        layer.forward(x, bad, weights)
+    bad[1, 0] = -2
+    with pytest.raises(ValueError, match=r"expert id -2"):
+        layer.forward(x, bad, weights)
+    with pytest.raises(RuntimeError, match="sync_forward without submit_forward"):
+        layer.sync_forward(x)
+    layer.submit_forward(x, ids, weights)
+    with pytest.raises(RuntimeError, match="submit_forward called twice"):
+        layer.submit_forward(x, ids, weights)
+    layer.sync_forward(x)
+
+
+def test_engine_checks_ids_itself(layer):
+    """Ids that bypass Python (e.g. read from a CUDA graph's buffers) are checked before use."""
+    x = make_hidden(4, H)
+    ids = torch.tensor([[0, 1], [2, 3], [4, 100], [5, 6]], dtype=torch.int64)
+    weights = torch.rand(4, K)
+    out = torch.zeros(4, H, dtype=torch.bfloat16)
+    task = layer._layer.submit_forward(4, 0, x.data_ptr(), ids.data_ptr(), True, weights.data_ptr(), 0,
+                                       out.data_ptr(), False)
+    with pytest.raises(ValueError, match=r"expert id 100 at token 2, slot 1 is outside \[-1, 8\)"):
+        layer._runner.wait(task)
+    # The runner goes on: the next forward works.
+    ok_ids, ok_w = make_routing(4, E, K)
+    assert layer.forward(x, ok_ids, ok_w).shape == (4, H)
