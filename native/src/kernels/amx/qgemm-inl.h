@@ -1,7 +1,10 @@
-// AMX quantized GEMM (INT8 and INT4): tdpbsud (s8 activations x u8 weights) on 32 rows x 32
-// channels per step. Every group's int32 tiles go to a buffer in one tight AMX loop, then one
-// vector pass applies the group epilogue of ../epilogue.h (interleaving the two stalled both).
-// INT4 panels are unpacked to int8 once per call. Small batches and groups of 32 go to AVX-512.
+// AMX quantized GEMM (INT8 and INT4): tdpbsud (s8 activations x u8 weights), 32 rows x 32 channels
+// per step, with the group epilogue of ../epilogue.h after every group.
+//
+// Loop order: channel pair (2 panels) > group > block of 32 rows. The pair's B tiles of a group are
+// loaded once and stay in tile registers for every row block; the pair's fp32 sums (m x 32) stay in
+// L1; int32 tiles go to one of two small buffers so the vector epilogue of one row block overlaps
+// the AMX work of the next. Small batches and groups of 32 go to AVX-512.
 #pragma once
 
 #include <algorithm>
@@ -12,9 +15,8 @@
 
 namespace kt::kernels::amx {
 
-// int8 B tiles of one group (group / 4 rows of 64 bytes) from the packed panel group `w`.
-template <Method M>
-inline void unpack_group(const uint8_t* w, int group, uint8_t* out) {
+// int8 B tile rows of one group (group / 4 rows of 64 bytes) from a packed INT4 panel group.
+inline void unpack_int4_group(const uint8_t* w, int group, uint8_t* out) {
   const __m512i nibble = _mm512_set1_epi8(0x0f);
   const int half = group / 8;
   for (int r = 0; r < half; ++r) {
@@ -30,81 +32,93 @@ void gemm_quant(int m, int64_t K, int group, const QuantRows& a, const uint8_t* 
   if (m <= 4 || group % 64 != 0) return small(m, K, group, a, panels, npanels, c, ldc);
   configure_tiles();
   const int64_t groups = K / group;
+  const int ktiles = group / 64;
+  const int blocks = (m + kRowBlock - 1) / kRowBlock;
   const int64_t pbytes = panel_bytes(M, group, K);
   const int64_t gbytes = group_bytes(M, group), wbytes = group_weight_bytes(M, group);
-  const int64_t tile_bytes = group * kPanelWidth;  // int8 B bytes of one group of one panel
-  thread_local std::vector<uint8_t> stage, unpacked;
-  thread_local std::vector<int32_t> dots;  // [groups][32 rows][32 channels]
-  thread_local float acc[32][32];
-  if (stage.size() < static_cast<size_t>(kRowBlock * K)) stage.resize(kRowBlock * K);
-  if (dots.size() < static_cast<size_t>(groups * 1024)) dots.resize(groups * 1024);
-  if (M == Method::kInt4 && unpacked.size() < static_cast<size_t>(2 * groups * tile_bytes))
-    unpacked.resize(2 * groups * tile_bytes);
+  thread_local std::vector<uint8_t> stage;      // rows that are not tiled yet
+  thread_local std::vector<const uint8_t*> base;  // per row block
+  thread_local std::vector<float> acc;          // [blocks * 32][32]
+  alignas(64) thread_local int32_t dots[2][32][32];
+  alignas(64) thread_local uint8_t unpacked[2][128 * 16];
+  if (stage.size() < static_cast<size_t>(blocks * kRowBlock * K)) stage.resize(blocks * kRowBlock * K);
+  if (acc.size() < static_cast<size_t>(blocks * kRowBlock * 32)) acc.resize(blocks * kRowBlock * 32);
+  base.resize(blocks);
+  for (int b = 0; b < blocks; ++b) {
+    const int rows = std::min(kRowBlock, m - b * kRowBlock);
+    base[b] = tiled_block(reinterpret_cast<const uint8_t* const*>(a.rows + b * kRowBlock), a.chunk_stride,
+                          rows, K, stage.data() + b * kRowBlock * K);
+  }
   for (int p = 0; p < npanels; p += 2) {
     const bool two = p + 1 < npanels;
     const uint8_t* w0 = panels + p * pbytes;
     const uint8_t* w1 = two ? w0 + pbytes : w0;
-    // B of group gi: INT8 straight from the panel, INT4 from its unpacked copy.
-    auto b_tile = [&](int h, int64_t gi) -> const uint8_t* {
-      if constexpr (M == Method::kInt8) return (h == 0 ? w0 : w1) + gi * gbytes;
-      return unpacked.data() + (gi * 2 + h) * tile_bytes;
-    };
-    if constexpr (M == Method::kInt4) {
-      for (int64_t gi = 0; gi < groups; ++gi) {
-        unpack_group<M>(w0 + gi * gbytes, group, unpacked.data() + (gi * 2) * tile_bytes);
-        unpack_group<M>(w1 + gi * gbytes, group, unpacked.data() + (gi * 2 + 1) * tile_bytes);
+    std::fill_n(acc.data(), blocks * kRowBlock * 32, 0.0f);
+    for (int64_t gi = 0; gi < groups; ++gi) {
+      const uint8_t* g0 = w0 + gi * gbytes;
+      const uint8_t* g1 = w1 + gi * gbytes;
+      const uint8_t* b0 = g0;
+      const uint8_t* b1 = g1;
+      if constexpr (M == Method::kInt4) {
+        unpack_int4_group(g0, group, unpacked[0]);
+        unpack_int4_group(g1, group, unpacked[1]);
+        b0 = unpacked[0], b1 = unpacked[1];
       }
-    }
-    for (int rb = 0; rb < m; rb += kRowBlock) {
-      const int rows = std::min(kRowBlock, m - rb);
-      const uint8_t* A = tiled_block(reinterpret_cast<const uint8_t* const*>(a.rows + rb),
-                                     a.chunk_stride, rows, K, stage.data());
-      for (int64_t gi = 0; gi < groups; ++gi) {
-        const uint8_t* b0 = b_tile(0, gi);
-        const uint8_t* b1 = b_tile(1, gi);
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        for (int kt = 0; kt < group / 64; ++kt) {
-          const uint8_t* chunk = A + (gi * group / 64 + kt) * kTiledChunkStride;
-          _tile_loadd(4, chunk, 64);
-          _tile_loadd(5, chunk + 16 * 64, 64);
-          _tile_loadd(6, b0 + kt * 1024, 64);
-          _tile_loadd(7, b1 + kt * 1024, 64);
-          _tile_dpbsud(0, 4, 6);
-          _tile_dpbsud(1, 4, 7);
-          _tile_dpbsud(2, 5, 6);
-          _tile_dpbsud(3, 5, 7);
-        }
-        int32_t* d = dots.data() + gi * 1024;
-        _tile_stored(0, d, 128);
-        _tile_stored(1, d + 16, 128);
-        _tile_stored(2, d + 512, 128);
-        _tile_stored(3, d + 512 + 16, 128);
+      __m512 ws[2], wm[2];
+      for (int h = 0; h < 2; ++h) {
+        const uint8_t* s = (h == 0 ? g0 : g1) + wbytes;
+        ws[h] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
+        wm[h] = M == Method::kInt8
+                    ? _mm512_mul_ps(ws[h], _mm512_set1_ps(-128.0f))
+                    : _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 32)));
       }
-      for (int i = 0; i < rows; ++i) {
-        const float* sa = a.scale[rb + i];
-        const float* ss = a.scaled_sum[rb + i];
-        for (int h = 0; h < 2; ++h) {
-          const uint8_t* w = h == 0 ? w0 : w1;
-          __m512 sum = _mm512_setzero_ps();
-          for (int64_t gi = 0; gi < groups; ++gi) {
-            const uint8_t* s = w + gi * gbytes + wbytes;
-            const __m512 ws = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
-            const __m512 wm = M == Method::kInt8
-                                  ? _mm512_mul_ps(ws, _mm512_set1_ps(-128.0f))
-                                  : _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 32)));
-            const __m512 dv = _mm512_cvtepi32_ps(_mm512_loadu_si512(dots.data() + gi * 1024 + i * 32 + 16 * h));
-            const __m512 t = _mm512_mul_ps(wm, _mm512_set1_ps(ss[gi]));
-            sum = _mm512_add_ps(sum, _mm512_fmadd_ps(dv, _mm512_mul_ps(ws, _mm512_set1_ps(sa[gi])), t));
+      if (ktiles == 1) {  // the group's B tiles stay loaded for every row block
+        _tile_loadd(6, b0, 64);
+        _tile_loadd(7, b1, 64);
+      }
+      {
+        for (int b = 0; b < blocks; ++b) {
+          const int rows = std::min(kRowBlock, m - b * kRowBlock);
+          int32_t(*d)[32] = dots[b & 1];
+          _tile_zero(0);
+          _tile_zero(1);
+          _tile_zero(2);
+          _tile_zero(3);
+          for (int t = 0; t < ktiles; ++t) {  // groups of 128: two K-tiles per group
+            const uint8_t* chunk = base[b] + (gi * ktiles + t) * kTiledChunkStride;
+            if (ktiles > 1) {
+              _tile_loadd(6, b0 + t * 1024, 64);
+              _tile_loadd(7, b1 + t * 1024, 64);
+            }
+            _tile_loadd(4, chunk, 64);
+            _tile_loadd(5, chunk + 16 * 64, 64);
+            _tile_dpbsud(0, 4, 6);
+            _tile_dpbsud(1, 4, 7);
+            _tile_dpbsud(2, 5, 6);
+            _tile_dpbsud(3, 5, 7);
           }
-          _mm512_storeu_ps(&acc[i][16 * h], sum);
+          _tile_stored(0, &d[0][0], 128);
+          _tile_stored(1, &d[0][16], 128);
+          _tile_stored(2, &d[16][0], 128);
+          _tile_stored(3, &d[16][16], 128);
+          float* sums = acc.data() + b * kRowBlock * 32;
+          for (int i = 0; i < rows; ++i) {
+            const int r = b * kRowBlock + i;
+            const __m512 sa = _mm512_set1_ps(a.scale[r][gi]);
+            const __m512 ss = _mm512_set1_ps(a.scaled_sum[r][gi]);
+            for (int h = 0; h < 2; ++h) {
+              const __m512 dv = _mm512_cvtepi32_ps(_mm512_load_si512(&d[i][16 * h]));
+              __m512 s = _mm512_loadu_ps(sums + i * 32 + 16 * h);
+              s = _mm512_fmadd_ps(_mm512_mul_ps(dv, ws[h]), sa, s);
+              s = _mm512_fmadd_ps(wm[h], ss, s);
+              _mm512_storeu_ps(sums + i * 32 + 16 * h, s);
+            }
+          }
         }
       }
-      const int width = two ? 32 : 16;
-      for (int i = 0; i < rows; ++i) std::copy_n(acc[i], width, c + (rb + i) * ldc + p * kPanelWidth);
     }
+    const int width = two ? 32 : 16;
+    for (int i = 0; i < m; ++i) std::copy_n(acc.data() + i * 32, width, c + i * ldc + p * kPanelWidth);
   }
 }
 
