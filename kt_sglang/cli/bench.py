@@ -47,6 +47,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", nargs="+", choices=sorted(LAYERS), help="layer shapes to run")
     p.add_argument("--methods", nargs="+", choices=METHODS, help="methods to run")
     p.add_argument("--threads", nargs="+", type=int, help="thread counts (default: 2)")
+    p.add_argument("--decode-tokens", nargs="+", type=int, help="decode batch sizes (default 1 4 16)")
+    p.add_argument("--prefill-tokens", nargs="+", type=int, help="prefill sizes (default 128 512 2048)")
     p.add_argument("--repeats", type=int, help="timed repeats per point (median reported)")
     p.add_argument("--working-set-gib", type=float, help="cycle weights over at least this many GiB")
     p.add_argument("--no-baseline", action="store_true", help="skip the torch per-expert baseline")
@@ -58,7 +60,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     if args.quick:
         cfg = BenchConfig(layers=["quick"], threads=[min(2, _cores())], decode_tokens=[1, 16],
                           prefill_tokens=[128], working_set_gib=0.0, repeats=3)
-    for name in ("layers", "methods", "threads", "repeats", "working_set_gib"):
+    for name in ("layers", "methods", "threads", "decode_tokens", "prefill_tokens", "repeats", "working_set_gib"):
         if getattr(args, name) is not None:
             setattr(cfg, name, getattr(args, name))
     if args.no_baseline:
@@ -78,19 +80,33 @@ def _cores() -> int:
     return physical_cores()
 
 
-def read_bandwidth_gbs(threads: int, gib: float = 1.0, repeats: int = 5) -> float:
-    """Read-only bandwidth: summing an fp32 array far larger than the caches, median of repeats."""
+def read_bandwidth_gbs(threads: int, gib: float = 2.0, repeats: int = 5) -> float:
+    """Read bandwidth of `threads` pinned threads streaming a buffer far larger than the caches."""
+    from kt_sglang.engine.pools import plan_pools
+    from kt_sglang.engine.native import _native
+
+    cpus = list(plan_pools(threads, 1).cpus[0])
+    return _native.measure_read_bandwidth(int(gib * 2**30), cpus, repeats)
+
+
+def matmul_tflops(threads: int, n: int = 2048, repeats: int = 5) -> float:
+    """torch (oneDNN) bf16 matmul rate: the machine's matrix-unit speed at the time of the run.
+
+    On shared hosts the AMX rate of a vCPU varies ~3x over minutes (measured here: 0.35 to 1.0
+    TFLOPS per core for this very call), so prefill figures are only comparable through it.
+    """
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
-    x = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32)
-    x.sum()
+    a = torch.randn(n, n).bfloat16()
+    b = torch.randn(n, n).bfloat16()
+    a @ b
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
-        x.sum()
+        a @ b
         times.append(time.perf_counter() - t)
     torch.set_num_threads(old)
-    return x.numel() * 4 / statistics.median(times) / 1e9
+    return 2 * n**3 / statistics.median(times) / 1e12
 
 
 def _routing(tokens: int, experts: int, top_k: int, gen: torch.Generator):
@@ -146,11 +162,13 @@ def run_benchmark(cfg: BenchConfig) -> dict:
         },
         "config": asdict(cfg),
         "bandwidth_gbs": {},
+        "matmul_tflops": {},
         "rows": [],
     }
     gen = torch.Generator().manual_seed(1)
     for threads in cfg.threads:
         results["bandwidth_gbs"][threads] = read_bandwidth_gbs(threads)
+        results["matmul_tflops"][threads] = [matmul_tflops(threads)]
     for layer in cfg.layers:
         H, I, E, k = LAYERS[layer]
         gate, up, down = _source_weights(H, I, E, seed=0)
@@ -196,6 +214,7 @@ def run_benchmark(cfg: BenchConfig) -> dict:
                     }
                     (row["decode"] if T in cfg.decode_tokens else row["prefill"])[T] = point
                 results["rows"].append(row)
+                results["matmul_tflops"][threads].append(matmul_tflops(threads))
                 del layers, first
         del gate, up, down
     return results
@@ -227,7 +246,9 @@ def _bench_baseline(layer, threads, bw, gate, up, down, cfg: BenchConfig, gen) -
 def print_table(results: dict) -> None:
     print(f"CPU: {results['machine']['cpu']}, kernels: {results['machine']['isa']}")
     for threads, bw in results["bandwidth_gbs"].items():
-        print(f"read bandwidth, {threads} thread(s): {bw:.1f} GB/s")
+        mm = results["matmul_tflops"][threads]
+        print(f"{threads} thread(s): read bandwidth {bw:.1f} GB/s, torch bf16 matmul "
+              f"{min(mm):.2f}-{max(mm):.2f} TFLOPS during the run")
     header = "| layer | method | threads | decode ms (T: ms, % of read BW) | prefill tok/s (T: tok/s, TOPS) | rel. error |"
     print(header)
     print("|---|---|---|---|---|---|")

@@ -5,6 +5,7 @@
 
 #include "kt/cpu_features.h"
 #include "kt/kernels.h"
+#include "kt/membench.h"
 #include "kt/moe_layer.h"
 #include "kt/quantize.h"
 #include "kt/runner.h"
@@ -97,6 +98,10 @@ PYBIND11_MODULE(_native, m) {
     return py::dict(py::arg("nodes") = nodes, py::arg("hwloc_version") = t.hwloc_version,
                     py::arg("membind_supported") = t.membind_supported);
   });
+
+  m.def("measure_read_bandwidth", &measure_read_bandwidth, py::arg("bytes"), py::arg("cpus"),
+        py::arg("repeats") = 5, py::call_guard<py::gil_scoped_release>(),
+        "Read bandwidth in GB/s: one pinned thread per cpu streams its slice of `bytes`.");
 
   py::class_<Runner, std::shared_ptr<Runner>>(m, "Runner")
       .def(py::init([](const std::vector<std::pair<int, std::vector<int>>>& pools) {

@@ -10,23 +10,31 @@ namespace kt::kernels::avx512 {
 
 namespace {
 
+// kChains accumulators per row hide vdpbf16ps latency (one chain bounds a decode pass per core).
 template <int kRows>
 void gemm_bf16_rows(int64_t K, const Bf16Rows& a, int i0, const uint8_t* w, float* const* out) {
-  __m512 acc[kRows];
-  for (int i = 0; i < kRows; ++i) acc[i] = _mm512_setzero_ps();
+  constexpr int kChains = kRows == 1 ? 4 : 2;
+  __m512 acc[kRows][kChains];
+  for (int i = 0; i < kRows; ++i)
+    for (int u = 0; u < kChains; ++u) acc[i][u] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += 32) {  // one 64-byte chunk of each row: 16 K-pairs
     const int32_t* x[kRows];
     for (int i = 0; i < kRows; ++i) x[i] = reinterpret_cast<const int32_t*>(bf16_at(a, i0 + i, k));
     const uint8_t* wk = w + k * 64 / 2;
-    _mm_prefetch(reinterpret_cast<const char*>(wk + 2048), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(wk + 2048 + 512), _MM_HINT_T0);
-    for (int j = 0; j < 16; ++j) {
-      const __m512bh wv = (__m512bh)_mm512_loadu_si512(wk + j * 64);
-      for (int i = 0; i < kRows; ++i)
-        acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_set1_epi32(x[i][j]), wv);
-    }
+    for (int off = 0; off < 1024; off += 64)  // every line of the chunk 4 KiB ahead
+      _mm_prefetch(reinterpret_cast<const char*>(wk + 4096 + off), _MM_HINT_T0);
+    for (int j = 0; j < 16; j += kChains)
+      for (int u = 0; u < kChains; ++u) {
+        const __m512bh wv = (__m512bh)_mm512_loadu_si512(wk + (j + u) * 64);
+        for (int i = 0; i < kRows; ++i)
+          acc[i][u] = _mm512_dpbf16_ps(acc[i][u], (__m512bh)_mm512_set1_epi32(x[i][j + u]), wv);
+      }
   }
-  for (int i = 0; i < kRows; ++i) _mm512_storeu_ps(out[i], acc[i]);
+  for (int i = 0; i < kRows; ++i) {
+    __m512 sum = acc[i][0];
+    for (int u = 1; u < kChains; ++u) sum = _mm512_add_ps(sum, acc[i][u]);
+    _mm512_storeu_ps(out[i], sum);
+  }
 }
 
 }  // namespace

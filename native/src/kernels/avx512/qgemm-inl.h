@@ -9,9 +9,14 @@
 
 namespace kt::kernels::avx512 {
 
+// kChains independent accumulators per row: vpdpbusd has a latency of several cycles, and one chain
+// per row would bound a single-row (decode) pass to ~13 GB/s per core.
+inline constexpr int kPrefetchGroups = 8;
+
 template <Method M, int kRows>
 inline void gemm_quant_rows(int64_t K, int group, const QuantRows& a, int i0, const uint8_t* panel,
                             float* const* out) {
+  constexpr int kChains = kRows == 1 ? 4 : 2;
   const int64_t gbytes = group_bytes(M, group), wbytes = group_weight_bytes(M, group);
   const __m512i nibble = _mm512_set1_epi8(0x0f);
   __m512 acc[kRows];
@@ -19,20 +24,25 @@ inline void gemm_quant_rows(int64_t K, int group, const QuantRows& a, int i0, co
   for (int64_t gi = 0; gi < K / group; ++gi) {
     const int64_t k0 = gi * group;
     const uint8_t* w = panel + gi * gbytes;
-    _mm_prefetch(reinterpret_cast<const char*>(w + 2 * gbytes), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(w + 2 * gbytes + 256), _MM_HINT_T0);
-    __m512i d[kRows];
-    for (int i = 0; i < kRows; ++i) d[i] = _mm512_setzero_si512();
+    // Every line of a group ~4 KiB ahead: decode streams weights once, and the hardware
+    // prefetcher alone left INT4 at 60% of the read bandwidth.
+    const char* ahead = reinterpret_cast<const char*>(w) + kPrefetchGroups * gbytes;
+    for (int64_t off = 0; off < gbytes; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
+    __m512i d[kRows][kChains];
+    for (int i = 0; i < kRows; ++i)
+      for (int u = 0; u < kChains; ++u) d[i][u] = _mm512_setzero_si512();
     if constexpr (M == Method::kInt8) {
       // A group of 32 is half a chunk, one of 128 two chunks.
       for (int c = 0; c < group; c += kChunkBytes) {
         const int quads = std::min<int>(kChunkBytes, group) / 4;
         const int32_t* x[kRows];
         for (int i = 0; i < kRows; ++i) x[i] = reinterpret_cast<const int32_t*>(quant_at(a, i0 + i, k0 + c));
-        for (int r = 0; r < quads; ++r) {
-          const __m512i wv = _mm512_loadu_si512(w + (c / 4 + r) * 64);
-          for (int i = 0; i < kRows; ++i) d[i] = _mm512_dpbusd_epi32(d[i], wv, _mm512_set1_epi32(x[i][r]));
-        }
+        for (int r = 0; r < quads; r += kChains)
+          for (int u = 0; u < kChains; ++u) {
+            const __m512i wv = _mm512_loadu_si512(w + (c / 4 + r + u) * 64);
+            for (int i = 0; i < kRows; ++i)
+              d[i][u] = _mm512_dpbusd_epi32(d[i][u], wv, _mm512_set1_epi32(x[i][r + u]));
+          }
       }
     } else {
       // Low nibbles hold the first half of the group, high nibbles the second.
@@ -43,23 +53,26 @@ inline void gemm_quant_rows(int64_t K, int group, const QuantRows& a, int i0, co
         lo_x[i] = reinterpret_cast<const int32_t*>(quant_at(a, i0 + i, k0));
         hi_x[i] = reinterpret_cast<const int32_t*>(quant_at(a, i0 + i, k0 + group / 2));
       }
-      for (int r = 0; r < half; ++r) {
-        const __m512i v = _mm512_loadu_si512(w + r * 64);
-        const __m512i lo = _mm512_and_si512(v, nibble);
-        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
-        for (int i = 0; i < kRows; ++i) {
-          d[i] = _mm512_dpbusd_epi32(d[i], lo, _mm512_set1_epi32(lo_x[i][r]));
-          d[i] = _mm512_dpbusd_epi32(d[i], hi, _mm512_set1_epi32(hi_x[i][r]));
+      for (int r = 0; r < half; r += kChains / 2)
+        for (int u = 0; u < kChains / 2; ++u) {
+          const __m512i v = _mm512_loadu_si512(w + (r + u) * 64);
+          const __m512i lo = _mm512_and_si512(v, nibble);
+          const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+          for (int i = 0; i < kRows; ++i) {
+            d[i][2 * u] = _mm512_dpbusd_epi32(d[i][2 * u], lo, _mm512_set1_epi32(lo_x[i][r + u]));
+            d[i][2 * u + 1] = _mm512_dpbusd_epi32(d[i][2 * u + 1], hi, _mm512_set1_epi32(hi_x[i][r + u]));
+          }
         }
-      }
     }
     const __m512 ws = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + wbytes)));
     const __m512 wm = M == Method::kInt8
                           ? _mm512_mul_ps(ws, _mm512_set1_ps(-128.0f))
                           : _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + wbytes + 32)));
     for (int i = 0; i < kRows; ++i) {
+      __m512i dsum = d[i][0];
+      for (int u = 1; u < kChains; ++u) dsum = _mm512_add_epi32(dsum, d[i][u]);
       const __m512 t = _mm512_mul_ps(wm, _mm512_set1_ps(a.scaled_sum[i0 + i][gi]));
-      acc[i] = _mm512_add_ps(acc[i], _mm512_fmadd_ps(_mm512_cvtepi32_ps(d[i]),
+      acc[i] = _mm512_add_ps(acc[i], _mm512_fmadd_ps(_mm512_cvtepi32_ps(dsum),
                                                      _mm512_mul_ps(ws, _mm512_set1_ps(a.scale[i0 + i][gi])), t));
     }
   }
