@@ -17,7 +17,9 @@ def isa_params(isas=ALL_ISAS):
     return [
         pytest.param(
             isa,
-            marks=pytest.mark.skipif(isa not in SUPPORTED_ISAS, reason=f"this CPU cannot run the {isa} kernels"),
+            marks=pytest.mark.skipif(
+                isa not in SUPPORTED_ISAS, reason=f"this CPU cannot run the {isa} kernels"
+            ),
             id=isa,
         )
         for isa in isas
@@ -49,7 +51,11 @@ def make_weights(E: int, I: int, H: int, seed: int = 0, outliers: int = 0):
 def make_routing(T: int, E: int, k: int, seed: int = 1, skip_fraction: float = 0.0):
     """Distinct experts per token, softmax weights; a fraction of the slots set to -1."""
     gen = torch.Generator().manual_seed(seed)
-    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)]) if T else torch.zeros(0, k, dtype=torch.int64)
+    ids = (
+        torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
+        if T
+        else torch.zeros(0, k, dtype=torch.int64)
+    )
     weights = torch.softmax(torch.randn(T, k, generator=gen), -1)
     if skip_fraction:
         ids[torch.rand(T, k, generator=gen) < skip_fraction] = -1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from conftest import make_hidden, make_routing, make_weights
+
 from kt_sglang import KTMoEWrapper
 
 

@@ -16,8 +16,9 @@ from kt_sglang.engine.pools import plan_pools
 def kt_sglang(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     exe = shutil.which("kt-sglang", path=os.path.dirname(sys.executable))
     assert exe, "the kt-sglang console script is not installed next to this Python"
-    return subprocess.run([exe, *args], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [exe, *args], capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})}
+    )
 
 
 def test_version():
@@ -68,7 +69,9 @@ def test_best_isa_follows_cpuid():
     f = _native.cpu_features()
     supported = _native.supported_isas()
     assert supported[0] == "scalar"
-    assert ("amx" in supported) == (f["amx_int8"] and f["amx_bf16"] and f["amx_permitted"] and f["avx512_vnni"])
+    assert ("amx" in supported) == (
+        f["amx_int8"] and f["amx_bf16"] and f["amx_permitted"] and f["avx512_vnni"]
+    )
     assert ("avx2" in supported) == (f["avx2"] and f["fma"] and f["os_avx"])
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import isa_params, make_hidden, make_routing, make_weights
+
 from kt_sglang import KTMoEWrapper
 from kt_sglang.engine import SharedRunner
 from kt_sglang.engine.reference import moe_reference, relative_error
@@ -62,8 +62,12 @@ def test_every_isa_agrees_with_scalar(method, isa):
 # Coarser groups trade accuracy for fewer scales; measured 0.127 / 0.145 / 0.158 for INT4 and
 # 0.015 / 0.018 / 0.020 for INT8 at 32 / 64 / 128.
 GROUP_BOUNDS = {
-    ("AMXINT8", 32): 0.018, ("AMXINT8", 64): 0.02, ("AMXINT8", 128): 0.023,
-    ("AMXINT4", 32): 0.14, ("AMXINT4", 64): 0.16, ("AMXINT4", 128): 0.175,
+    ("AMXINT8", 32): 0.018,
+    ("AMXINT8", 64): 0.02,
+    ("AMXINT8", 128): 0.023,
+    ("AMXINT4", 32): 0.14,
+    ("AMXINT4", 64): 0.16,
+    ("AMXINT4", 128): 0.175,
 }
 
 
@@ -87,8 +91,19 @@ def test_threads_and_pools_agree(method, threads, pools, numa_nodes):
     ids, weights = make_routing(T, E, k)
     x = make_hidden(T, H)
     ref = moe_reference(x, gate, up, down, ids, weights)
-    out = run_layer(method, None, gate, up, down, x, ids, weights, threads=threads, pools=pools,
-                    numa_nodes=numa_nodes)
+    out = run_layer(
+        method,
+        None,
+        gate,
+        up,
+        down,
+        x,
+        ids,
+        weights,
+        threads=threads,
+        pools=pools,
+        numa_nodes=numa_nodes,
+    )
     assert relative_error(out, ref) <= BOUNDS[method]
     SharedRunner.reset()  # the process-wide pools are fixed by the first layer; start others
     single = run_layer(method, None, gate, up, down, x, ids, weights, threads=1, pools=1)
@@ -108,8 +123,9 @@ def test_incremental_adds_to_output(method):
     base = torch.randn(T, H).bfloat16()
     out = base.clone()
     ids32 = ids.to(torch.int32).contiguous()
-    task = layer._layer.submit_forward(T, 0, x.data_ptr(), ids32.data_ptr(), False, weights.data_ptr(),
-                                       0, out.data_ptr(), True)
+    task = layer._layer.submit_forward(
+        T, 0, x.data_ptr(), ids32.data_ptr(), False, weights.data_ptr(), 0, out.data_ptr(), True
+    )
     layer._runner.wait(task)
     expected = base.float() + moe_reference(x, gate, up, down, ids, weights)
     assert relative_error(out, expected) <= BOUNDS[method]

@@ -18,10 +18,22 @@ def quantize(method: str, w: torch.Tensor, group: int):
     scales = torch.empty(N, G, dtype=torch.float16)
     mins = torch.empty(N, G, dtype=torch.float16)
     src = w.contiguous()
-    dtype = {torch.float32: _native.DType.float32, torch.bfloat16: _native.DType.bfloat16,
-             torch.float16: _native.DType.float16}[src.dtype]
-    _native.quantize_matrix(getattr(_native.Method, method), group, src.data_ptr(), dtype, N, K,
-                            q.data_ptr(), scales.data_ptr(), mins.data_ptr())
+    dtype = {
+        torch.float32: _native.DType.float32,
+        torch.bfloat16: _native.DType.bfloat16,
+        torch.float16: _native.DType.float16,
+    }[src.dtype]
+    _native.quantize_matrix(
+        getattr(_native.Method, method),
+        group,
+        src.data_ptr(),
+        dtype,
+        N,
+        K,
+        q.data_ptr(),
+        scales.data_ptr(),
+        mins.data_ptr(),
+    )
     return q, scales, mins
 
 
@@ -64,9 +76,9 @@ def test_int4_layout_and_search(group, K):
     hi = per_group(w, group).amax(-1)
     step = ((hi - per_group(w, group).amin(-1)) / 15).half().float()
     base = torch.clamp(torch.round((per_group(w, group) - lo[..., None]) / step[..., None]), 0, 15)
-    base_err = (base * step[..., None] + lo[..., None] - per_group(w, group))
+    base_err = base * step[..., None] + lo[..., None] - per_group(w, group)
     if K % group:  # padding columns are not part of the matrix
-        base_err[:, -1, K % group:] = 0
+        base_err[:, -1, K % group :] = 0
     base_err = base_err.pow(2).sum(-1)
     assert torch.all(err <= base_err * 1.0001 + 1e-12)
     assert float(per_group(deq - w, group).norm() / w.norm()) < 0.095

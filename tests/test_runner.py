@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import make_hidden, make_routing, make_weights
+
 from kt_sglang import KTMoEWrapper
 from kt_sglang.engine.native import _native
 
@@ -23,11 +23,11 @@ def build_layers(n, method="AMXINT8", E=16, k=4, H=512, I=256):
 def test_back_to_back_equals_one_by_one():
     layers = build_layers(6)
     inputs = [(make_hidden(37, 512, seed=i), *make_routing(37, 16, 4, seed=i)) for i in range(6)]
-    one_by_one = [layer.forward(*args) for layer, args in zip(layers, inputs)]
-    for layer, args in zip(layers, inputs):
+    one_by_one = [layer.forward(*args) for layer, args in zip(layers, inputs, strict=True)]
+    for layer, args in zip(layers, inputs, strict=True):
         layer.submit_forward(*args)
-    back_to_back = [layer.sync_forward(args[0]) for layer, args in zip(layers, inputs)]
-    for a, b in zip(one_by_one, back_to_back):
+    back_to_back = [layer.sync_forward(args[0]) for layer, args in zip(layers, inputs, strict=True)]
+    for a, b in zip(one_by_one, back_to_back, strict=True):
         assert torch.equal(a, b)
 
 
@@ -40,7 +40,7 @@ def test_sync_allow_pending():
     assert runner.pending() <= 2
     runner.sync(0)
     assert runner.pending() == 0
-    for i, layer in enumerate(layers):  # results are there and right after the global sync
+    for layer in layers:  # results are there and right after the global sync
         assert layer.sync_forward().shape == (300, 512)
 
 

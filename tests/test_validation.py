@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import make_hidden, make_routing, make_weights
+
 from kt_sglang import KTMoEWrapper
 from kt_sglang.engine.pools import physical_cores
 
@@ -13,8 +13,17 @@ E, K, H, I = 8, 2, 256, 192
 
 
 def new_layer(**kw):
-    args = dict(layer_idx=0, num_experts=E, num_experts_per_tok=K, hidden_size=H, moe_intermediate_size=I,
-                gpu_experts_mask=None, cpuinfer_threads=1, threadpool_count=1, method="AMXINT8")
+    args = dict(
+        layer_idx=0,
+        num_experts=E,
+        num_experts_per_tok=K,
+        hidden_size=H,
+        moe_intermediate_size=I,
+        gpu_experts_mask=None,
+        cpuinfer_threads=1,
+        threadpool_count=1,
+        method="AMXINT8",
+    )
     args.update(kw)
     return KTMoEWrapper(**args)
 
@@ -36,14 +45,23 @@ def layer():
         (dict(cpuinfer_threads=0), "cpuinfer_threads must be a positive integer"),
         (dict(cpuinfer_threads=physical_cores() + 1), "more than the .* physical cores"),
         (dict(threadpool_count=99, cpuinfer_threads=1), "threadpool_count=99"),
-        (dict(threadpool_count=2, cpuinfer_threads=1, numa_nodes=[0, 0]), "at least one thread per pool"),
+        (
+            dict(threadpool_count=2, cpuinfer_threads=1, numa_nodes=[0, 0]),
+            "at least one thread per pool",
+        ),
         (dict(numa_nodes=[7]), "numa_nodes names node 7"),
         (dict(method="FP8"), "'FP8' is not supported yet"),
         (dict(method="INT3"), "unknown method 'INT3'"),
         (dict(group_size=48), "group_size=48 is not allowed for AMXINT8"),
         (dict(isa="sse"), "isa='sse' is not an ISA path"),
-        (dict(gpu_experts_mask=torch.zeros(E - 1, dtype=torch.bool)), r"gpu_experts_mask has shape \(7,\)"),
-        (dict(gpu_experts_mask=torch.zeros(E, dtype=torch.int32)), "gpu_experts_mask has dtype torch.int32"),
+        (
+            dict(gpu_experts_mask=torch.zeros(E - 1, dtype=torch.bool)),
+            r"gpu_experts_mask has shape \(7,\)",
+        ),
+        (
+            dict(gpu_experts_mask=torch.zeros(E, dtype=torch.int32)),
+            "gpu_experts_mask has dtype torch.int32",
+        ),
         (dict(chunked_prefill_size=0), "chunked_prefill_size must be a positive integer"),
     ],
 )
@@ -134,8 +152,9 @@ def test_engine_checks_ids_itself(layer):
     ids = torch.tensor([[0, 1], [2, 3], [4, 100], [5, 6]], dtype=torch.int64)
     weights = torch.rand(4, K)
     out = torch.zeros(4, H, dtype=torch.bfloat16)
-    task = layer._layer.submit_forward(4, 0, x.data_ptr(), ids.data_ptr(), True, weights.data_ptr(), 0,
-                                       out.data_ptr(), False)
+    task = layer._layer.submit_forward(
+        4, 0, x.data_ptr(), ids.data_ptr(), True, weights.data_ptr(), 0, out.data_ptr(), False
+    )
     with pytest.raises(ValueError, match=r"expert id 100 at token 2, slot 1 is outside \[-1, 8\)"):
         layer._runner.wait(task)
     # The runner goes on: the next forward works.

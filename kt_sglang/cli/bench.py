@@ -10,6 +10,7 @@ set exceeds the last-level cache. Medians over repeats; JSON out.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 import statistics
@@ -58,9 +59,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run_from_args(args: argparse.Namespace) -> int:
     cfg = BenchConfig()
     if args.quick:
-        cfg = BenchConfig(layers=["quick"], threads=[min(2, _cores())], decode_tokens=[1, 16],
-                          prefill_tokens=[128], working_set_gib=0.0, repeats=3)
-    for name in ("layers", "methods", "threads", "decode_tokens", "prefill_tokens", "repeats", "working_set_gib"):
+        cfg = BenchConfig(
+            layers=["quick"],
+            threads=[min(2, _cores())],
+            decode_tokens=[1, 16],
+            prefill_tokens=[128],
+            working_set_gib=0.0,
+            repeats=3,
+        )
+    for name in (
+        "layers",
+        "methods",
+        "threads",
+        "decode_tokens",
+        "prefill_tokens",
+        "repeats",
+        "working_set_gib",
+    ):
         if getattr(args, name) is not None:
             setattr(cfg, name, getattr(args, name))
     if args.no_baseline:
@@ -82,8 +97,8 @@ def _cores() -> int:
 
 def read_bandwidth_gbs(threads: int, gib: float = 2.0, repeats: int = 5) -> float:
     """Read bandwidth of `threads` pinned threads streaming a buffer far larger than the caches."""
-    from kt_sglang.engine.pools import plan_pools
     from kt_sglang.engine.native import _native
+    from kt_sglang.engine.pools import plan_pools
 
     cpus = list(plan_pools(threads, 1).cpus[0])
     return _native.measure_read_bandwidth(int(gib * 2**30), cpus, repeats)
@@ -127,16 +142,38 @@ def _source_weights(hidden: int, inter: int, experts: int, seed: int):
     return gate, up, down
 
 
-def _median_time(fn, calls: int) -> float:
+def _median_time(forwards: list, args: tuple, calls: int) -> float:
+    """Median time of `calls` calls, cycling over `forwards` (one per copy of the weights)."""
     times = []
     for i in range(calls):
         t = time.perf_counter()
-        fn(i)
+        forwards[i % len(forwards)](*args)
         times.append(time.perf_counter() - t)
     return statistics.median(times)
 
 
-def _torch_moe(x, gate, up, down, ids, weights):
+def _routed_input(T: int, H: int, E: int, k: int, gen: torch.Generator):
+    return (torch.randn(T, H, generator=gen).bfloat16(), *_routing(T, E, k, gen))
+
+
+def _measure_points(row, forwards, bytes_per_expert, layer, bw, cfg: BenchConfig, gen) -> None:
+    """Fills row["decode"] / row["prefill"]: median time per batch size, cycling the weight copies."""
+    H, I, E, k = LAYERS[layer]
+    for T in cfg.decode_tokens + cfg.prefill_tokens:
+        x, ids, wts = _routed_input(T, H, E, k, gen)
+        calls = max(cfg.repeats, len(forwards)) if T <= 16 else cfg.repeats
+        t = _median_time(forwards, (x, ids, wts), calls)
+        touched = ids.unique().numel() * bytes_per_expert  # distinct experts' weights read
+        (row["decode"] if T in cfg.decode_tokens else row["prefill"])[T] = {
+            "ms": t * 1e3,
+            "tokens_per_s": T / t,
+            "eff_gbs": touched / t / 1e9,
+            "bw_fraction": touched / t / 1e9 / bw,
+            "tops": 2 * T * k * 3 * H * I / t / 1e12,
+        }
+
+
+def _torch_moe(x, ids, weights, *, gate, up, down):
     out = torch.zeros(x.shape, dtype=torch.float32)
     for e in ids.unique().tolist():
         tok, slot = (ids == e).nonzero(as_tuple=True)
@@ -176,43 +213,41 @@ def run_benchmark(cfg: BenchConfig) -> dict:
         ids_acc, w_acc = _routing(64, E, k, gen)
         ref = moe_reference(x_acc, gate, up, down, ids_acc, w_acc)
         for threads in cfg.threads:
-            bw = results["bandwidth_gbs"][threads]
+            # Bandwidth and matrix speed of a shared host drift within minutes: re-measure per row.
+            bw = read_bandwidth_gbs(threads)
             if cfg.baseline:
-                results["rows"].append(
-                    _bench_baseline(layer, threads, bw, gate, up, down, cfg, gen)
-                )
+                results["rows"].append(_bench_baseline(layer, threads, bw, gate, up, down, cfg, gen))
             for method in cfg.methods:
                 SharedRunner.reset()
                 first = KTMoEWrapper(0, E, k, H, I, None, threads, 1, method=method)
                 first.load_weights_from_tensors(gate, up, down)
                 copies = max(1, -(-int(cfg.working_set_gib * 2**30) // first.packed_bytes))
                 layers = [first]
-                for c in tqdm(range(1, copies), desc=f"{layer} {method}: layer copies", leave=False,
-                              disable=copies <= 1):
+                for c in tqdm(
+                    range(1, copies),
+                    desc=f"{layer} {method}: layer copies",
+                    leave=False,
+                    disable=copies <= 1,
+                ):
                     w = KTMoEWrapper(c, E, k, H, I, None, threads, 1, method=method)
                     w.load_weights_from_tensors(gate, up, down)
                     layers.append(w)
+                bw = read_bandwidth_gbs(threads)
                 row = {
-                    "layer": layer, "method": method, "threads": threads, "isa": first.isa,
-                    "group_size": first.group_size, "copies": copies,
+                    "read_bandwidth_gbs": bw,
+                    "layer": layer,
+                    "method": method,
+                    "threads": threads,
+                    "isa": first.isa,
+                    "group_size": first.group_size,
+                    "copies": copies,
                     "working_set_gib": copies * first.packed_bytes / 2**30,
                     "rel_error": relative_error(first.forward(x_acc, ids_acc, w_acc), ref),
-                    "decode": {}, "prefill": {},
+                    "decode": {},
+                    "prefill": {},
                 }
-                bytes_per_expert = first.packed_bytes / E
-                for T in cfg.decode_tokens + cfg.prefill_tokens:
-                    x = torch.randn(T, H, generator=gen).bfloat16()
-                    ids, wts = _routing(T, E, k, gen)
-                    layers[0].forward(x, ids, wts)  # warm: scratch sized once
-                    calls = max(cfg.repeats, copies) if T <= 16 else cfg.repeats
-                    t = _median_time(lambda i: layers[i % copies].forward(x, ids, wts), calls)
-                    touched = ids.unique().numel() * bytes_per_expert
-                    point = {
-                        "ms": t * 1e3, "tokens_per_s": T / t,
-                        "eff_gbs": touched / t / 1e9, "bw_fraction": touched / t / 1e9 / bw,
-                        "tops": 2 * T * k * 3 * H * I / t / 1e12,
-                    }
-                    (row["decode"] if T in cfg.decode_tokens else row["prefill"])[T] = point
+                layers[0].forward(*_routed_input(16, H, E, k, gen))  # warm: scratch sized once
+                _measure_points(row, [w.forward for w in layers], first.packed_bytes / E, layer, bw, cfg, gen)
                 results["rows"].append(row)
                 results["matmul_tflops"][threads].append(matmul_tflops(threads))
                 del layers, first
@@ -227,18 +262,17 @@ def _bench_baseline(layer, threads, bw, gate, up, down, cfg: BenchConfig, gen) -
     torch.set_num_threads(threads)
     copies = max(1, -(-int(cfg.working_set_gib * 2**30) // (gate.numel() * 2 * 3)))
     weights = [(gate, up, down)] + [(gate.clone(), up.clone(), down.clone()) for _ in range(copies - 1)]
-    row = {"layer": layer, "method": "torch-bf16-baseline", "threads": threads, "copies": copies,
-           "decode": {}, "prefill": {}}
-    bytes_per_expert = 3 * H * I * 2
-    for T in cfg.decode_tokens + cfg.prefill_tokens:
-        x = torch.randn(T, H, generator=gen).bfloat16()
-        ids, wts = _routing(T, E, k, gen)
-        calls = max(cfg.repeats, copies) if T <= 16 else cfg.repeats
-        t = _median_time(lambda i: _torch_moe(x, *weights[i % copies], ids, wts), calls)
-        touched = ids.unique().numel() * bytes_per_expert
-        point = {"ms": t * 1e3, "tokens_per_s": T / t, "eff_gbs": touched / t / 1e9,
-                 "bw_fraction": touched / t / 1e9 / bw, "tops": 2 * T * k * 3 * H * I / t / 1e12}
-        (row["decode"] if T in cfg.decode_tokens else row["prefill"])[T] = point
+    row = {
+        "layer": layer,
+        "method": "torch-bf16-baseline",
+        "read_bandwidth_gbs": bw,
+        "threads": threads,
+        "copies": copies,
+        "decode": {},
+        "prefill": {},
+    }
+    forwards = [functools.partial(_torch_moe, gate=g, up=u, down=d) for g, u, d in weights]
+    _measure_points(row, forwards, 3 * H * I * 2, layer, bw, cfg, gen)
     torch.set_num_threads(old)
     return row
 
@@ -247,9 +281,14 @@ def print_table(results: dict) -> None:
     print(f"CPU: {results['machine']['cpu']}, kernels: {results['machine']['isa']}")
     for threads, bw in results["bandwidth_gbs"].items():
         mm = results["matmul_tflops"][threads]
-        print(f"{threads} thread(s): read bandwidth {bw:.1f} GB/s, torch bf16 matmul "
-              f"{min(mm):.2f}-{max(mm):.2f} TFLOPS during the run")
-    header = "| layer | method | threads | decode ms (T: ms, % of read BW) | prefill tok/s (T: tok/s, TOPS) | rel. error |"
+        print(
+            f"{threads} thread(s): read bandwidth {bw:.1f} GB/s, torch bf16 matmul "
+            f"{min(mm):.2f}-{max(mm):.2f} TFLOPS during the run"
+        )
+    header = (
+        "| layer | method | threads | decode ms (T: ms, % of read BW) "
+        "| prefill tok/s (T: tok/s, TOPS) | rel. error |"
+    )
     print(header)
     print("|---|---|---|---|---|---|")
     for r in results["rows"]:

@@ -24,8 +24,10 @@ def run_demo(threads: int | None = None) -> int:
     gate = torch.randn(E, I, H, generator=gen) / H**0.5
     up = torch.randn(E, I, H, generator=gen) / H**0.5
     down = torch.randn(E, H, I, generator=gen) / I**0.5
-    print(f"kt-sglang CPU engine demo: {_native.cpu_features()['brand']}, kernels: {_native.selected_isa()}, "
-          f"{threads} thread(s)")
+    print(
+        f"kt-sglang CPU engine demo: {_native.cpu_features()['brand']}, kernels: {_native.selected_isa()}, "
+        f"{threads} thread(s)"
+    )
     print(f"layer: {E} experts, top-{k}, hidden {H}, intermediate {I}")
     bounds = {"BF16": 0.01, "AMXINT8": 0.02, "AMXINT4": 0.16}
     ok = True
@@ -42,7 +44,8 @@ def run_demo(threads: int | None = None) -> int:
             dt = time.perf_counter() - t
             err = relative_error(out, moe_reference(x, gate, up, down, ids, w))
             ok &= err <= bound
-            print(f"  {method:8s} T={T:4d}: {dt * 1e3:7.2f} ms  rel. error vs float32 {err:.4f} "
-                  f"(bound {bound})")
+            print(
+                f"  {method:8s} T={T:4d}: {dt * 1e3:7.2f} ms  rel. error vs float32 {err:.4f} (bound {bound})"
+            )
     print("result: " + ("all methods within their error bounds" if ok else "ERROR BOUND EXCEEDED"))
     return 0 if ok else 1

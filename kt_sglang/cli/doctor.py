@@ -21,8 +21,10 @@ def print_version() -> None:
     from kt_sglang.engine.native import _native
 
     print(f"kt-sglang {__version__}")
-    print(f"python {platform.python_version()}, torch {_package_version('torch') or 'missing'}, "
-          f"sglang {_package_version('sglang') or 'not installed'}")
+    print(
+        f"python {platform.python_version()}, torch {_package_version('torch') or 'missing'}, "
+        f"sglang {_package_version('sglang') or 'not installed'}"
+    )
     print(f"kernel paths: {', '.join(_native.supported_isas())} (chosen: {_native.best_isa()})")
 
 
@@ -35,14 +37,32 @@ def run_doctor() -> int:
     f = _native.cpu_features()
     print(f"kt-sglang {__version__}")
     print(f"CPU: {f['brand'] or 'unknown'}")
-    flags = [name for name in ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
-                               "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16") if f[name]]
+    flags = [
+        name
+        for name in (
+            "avx2",
+            "fma",
+            "f16c",
+            "avx512f",
+            "avx512bw",
+            "avx512vl",
+            "avx512_vnni",
+            "avx512_bf16",
+            "amx_tile",
+            "amx_int8",
+            "amx_bf16",
+        )
+        if f[name]
+    ]
     print(f"  CPUID: {' '.join(flags) or 'none of the SIMD extensions used here'}")
     supported = _native.supported_isas()
     print(f"  kernel paths this build can run here: {', '.join(supported)}")
     try:
         chosen = _native.selected_isa()
-        print(f"  chosen path: {chosen}" + (f" (forced by KT_SGLANG_ISA)" if os.environ.get("KT_SGLANG_ISA") else ""))
+        print(
+            f"  chosen path: {chosen}"
+            + (" (forced by KT_SGLANG_ISA)" if os.environ.get("KT_SGLANG_ISA") else "")
+        )
         for method, family in _native.kernel_families(chosen).items():
             print(f"    {method:8s} -> {family} kernels")
     except ValueError as exc:
@@ -60,8 +80,10 @@ def run_doctor() -> int:
         advice.append("this CPU has no AVX2: only the portable scalar kernels run (slow)")
 
     topo = _native.topology()
-    print(f"NUMA (hwloc {topo['hwloc_version']}): {len(topo['nodes'])} node(s), "
-          f"memory binding {'supported' if topo['membind_supported'] else 'not supported'}")
+    print(
+        f"NUMA (hwloc {topo['hwloc_version']}): {len(topo['nodes'])} node(s), "
+        f"memory binding {'supported' if topo['membind_supported'] else 'not supported'}"
+    )
     for node in topo["nodes"]:
         gib = node["memory_bytes"] / 2**30
         print(f"  node {node['os_index']}: {len(node['cores'])} cores (cpus {node['cores']}), {gib:.1f} GiB")

@@ -91,7 +91,9 @@ class SharedRunner:
     def get(cls, layout: PoolLayout):
         with cls._lock:
             if cls._runner is None:
-                cls._runner = _native.Runner([(n, list(c)) for n, c in zip(layout.nodes, layout.cpus)])
+                cls._runner = _native.Runner(
+                    [(n, list(c)) for n, c in zip(layout.nodes, layout.cpus, strict=True)]
+                )
                 cls._workspace = _native.Workspace()
                 cls._layout = layout
             elif layout != cls._layout:
@@ -121,4 +123,3 @@ def selected_isa(isa: str | None = None) -> str:
     if isa not in supported:
         raise ValueError(f"isa={isa!r} is not supported by this CPU (it runs {supported})")
     return isa
-

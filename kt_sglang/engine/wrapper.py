@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kt_sglang.engine.methods import Method, parse_method, resolve_group
+from kt_sglang.engine.methods import parse_method, resolve_group
 from kt_sglang.engine.native import _native
 from kt_sglang.engine.pools import SharedRunner, plan_pools, selected_isa
 
@@ -223,9 +223,7 @@ class KTMoEWrapper:
     ) -> None:
         """Copies the inputs to host buffers and enqueues the layer; returns at once."""
         if self._pending is not None:
-            raise RuntimeError(
-                f"layer {self.layer_idx}: submit_forward called twice without sync_forward"
-            )
+            raise RuntimeError(f"layer {self.layer_idx}: submit_forward called twice without sync_forward")
         T = self._check_inputs(hidden_states, topk_ids, topk_weights)
         buf = self._buffers_for(T)
         buf.hidden[:T].copy_(hidden_states, non_blocking=cuda_stream is not None)
@@ -261,7 +259,11 @@ class KTMoEWrapper:
 
     def _check_inputs(self, hidden_states, topk_ids, topk_weights) -> int:
         E, k, H = self.num_experts, self.num_experts_per_tok, self.hidden_size
-        for name, t in (("hidden_states", hidden_states), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+        for name, t in (
+            ("hidden_states", hidden_states),
+            ("topk_ids", topk_ids),
+            ("topk_weights", topk_weights),
+        ):
             if not isinstance(t, torch.Tensor):
                 raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if hidden_states.dim() != 2 or hidden_states.shape[1] != H:
@@ -292,9 +294,7 @@ class KTMoEWrapper:
         if mask.dtype != torch.bool:
             raise ValueError(f"gpu_experts_mask has dtype {mask.dtype}; expected torch.bool")
         if tuple(mask.shape) != (self.num_experts,):
-            raise ValueError(
-                f"gpu_experts_mask has shape {tuple(mask.shape)}; expected [{self.num_experts}]"
-            )
+            raise ValueError(f"gpu_experts_mask has shape {tuple(mask.shape)}; expected [{self.num_experts}]")
         return mask.to("cpu").contiguous()
 
     def _buffers_for(self, tokens: int) -> _Buffers:

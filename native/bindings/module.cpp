@@ -21,8 +21,8 @@ T* ptr(uintptr_t p) {
   return reinterpret_cast<T*>(p);
 }
 
-CanonicalMatrix canonical(Method method, int64_t N, int64_t K, int group, uintptr_t weight,
-                          uintptr_t scales, uintptr_t mins) {
+CanonicalMatrix canonical(Method method, int64_t N, int64_t K, int group, uintptr_t weight, uintptr_t scales,
+                          uintptr_t mins) {
   CanonicalMatrix m{method, N, K, method == Method::kBf16 ? kKAlign : group};
   m.weight = ptr<void>(weight), m.scales = ptr<uint16_t>(scales), m.mins = ptr<uint16_t>(mins);
   return m;
@@ -54,8 +54,7 @@ PYBIND11_MODULE(_native, m) {
       for (int g : t.allowed_groups)
         if (g) groups.append(g);
       out.append(py::dict(py::arg("method") = t.method, py::arg("name") = t.name,
-                          py::arg("default_group") = t.default_group,
-                          py::arg("allowed_groups") = groups,
+                          py::arg("default_group") = t.default_group, py::arg("allowed_groups") = groups,
                           py::arg("int8_activations") = t.int8_activations));
     }
     return out;
@@ -64,15 +63,14 @@ PYBIND11_MODULE(_native, m) {
 
   m.def("cpu_features", [] {
     const CpuFeatures& f = cpu_features();
-    return py::dict(py::arg("brand") = f.brand, py::arg("avx2") = f.avx2, py::arg("fma") = f.fma,
-                    py::arg("f16c") = f.f16c, py::arg("avx512f") = f.avx512f,
-                    py::arg("avx512bw") = f.avx512bw, py::arg("avx512vl") = f.avx512vl,
-                    py::arg("avx512dq") = f.avx512dq, py::arg("avx512_vnni") = f.avx512_vnni,
-                    py::arg("avx512_bf16") = f.avx512_bf16, py::arg("amx_tile") = f.amx_tile,
-                    py::arg("amx_int8") = f.amx_int8, py::arg("amx_bf16") = f.amx_bf16,
-                    py::arg("os_avx") = f.os_avx, py::arg("os_avx512") = f.os_avx512,
-                    py::arg("os_amx") = f.os_amx, py::arg("amx_permitted") = f.amx_permitted,
-                    py::arg("amx_permission_error") = f.amx_permission_error);
+    return py::dict(
+        py::arg("brand") = f.brand, py::arg("avx2") = f.avx2, py::arg("fma") = f.fma,
+        py::arg("f16c") = f.f16c, py::arg("avx512f") = f.avx512f, py::arg("avx512bw") = f.avx512bw,
+        py::arg("avx512vl") = f.avx512vl, py::arg("avx512dq") = f.avx512dq,
+        py::arg("avx512_vnni") = f.avx512_vnni, py::arg("avx512_bf16") = f.avx512_bf16,
+        py::arg("amx_tile") = f.amx_tile, py::arg("amx_int8") = f.amx_int8, py::arg("amx_bf16") = f.amx_bf16,
+        py::arg("os_avx") = f.os_avx, py::arg("os_avx512") = f.os_avx512, py::arg("os_amx") = f.os_amx,
+        py::arg("amx_permitted") = f.amx_permitted, py::arg("amx_permission_error") = f.amx_permission_error);
   });
   m.def("supported_isas", [] {
     std::vector<std::string> out;
@@ -115,31 +113,32 @@ PYBIND11_MODULE(_native, m) {
       .def("pending", &Runner::pending)
       .def_property_readonly("num_threads", &Runner::num_threads)
       .def_property_readonly("num_pools", &Runner::num_pools)
-      .def("submit_failing_task",
-           [](Runner& r, const std::string& message) {
-             return r.submit([message](const WorkerContext& ctx) {
-               if (ctx.tid == 0) throw std::runtime_error(message);
-             });
-           },
-           "Enqueues a task that fails with `message` (tests the error path of sync).");
+      .def(
+          "submit_failing_task",
+          [](Runner& r, const std::string& message) {
+            return r.submit([message](const WorkerContext& ctx) {
+              if (ctx.tid == 0) throw std::runtime_error(message);
+            });
+          },
+          "Enqueues a task that fails with `message` (tests the error path of sync).");
 
   py::class_<Workspace>(m, "Workspace").def(py::init<>());
 
   py::class_<MoeLayer>(m, "MoeLayer")
-      .def(py::init([](std::shared_ptr<Runner> runner, const Workspace& ws, int num_experts,
-                       int top_k, int64_t hidden, int64_t intermediate, Method method, int group,
-                       const std::string& isa, int64_t max_chunk_tokens) {
+      .def(py::init([](std::shared_ptr<Runner> runner, const Workspace& ws, int num_experts, int top_k,
+                       int64_t hidden, int64_t intermediate, Method method, int group, const std::string& isa,
+                       int64_t max_chunk_tokens) {
              const auto parsed = parse_isa(isa);
              if (!parsed) throw std::invalid_argument("unknown ISA '" + isa + "'");
              MoeConfig c{num_experts, top_k, hidden, intermediate, method, group, max_chunk_tokens};
              return std::make_unique<MoeLayer>(c, std::move(runner), ws.impl, *parsed);
            }),
            py::arg("runner"), py::arg("workspace"), py::arg("num_experts"), py::arg("top_k"),
-           py::arg("hidden"), py::arg("intermediate"), py::arg("method"), py::arg("group"),
-           py::arg("isa"), py::arg("max_chunk_tokens"))
+           py::arg("hidden"), py::arg("intermediate"), py::arg("method"), py::arg("group"), py::arg("isa"),
+           py::arg("max_chunk_tokens"))
       .def("load_dense",
-           [](MoeLayer& l, uintptr_t gate, uintptr_t up, uintptr_t down, DType dtype,
-              int64_t source_experts, const std::vector<int64_t>& slot_to_source) {
+           [](MoeLayer& l, uintptr_t gate, uintptr_t up, uintptr_t down, DType dtype, int64_t source_experts,
+              const std::vector<int64_t>& slot_to_source) {
              py::gil_scoped_release release;
              l.load_dense(ptr<void>(gate), ptr<void>(up), ptr<void>(down), dtype, source_experts,
                           slot_to_source);
@@ -174,12 +173,13 @@ PYBIND11_MODULE(_native, m) {
       .def_property_readonly("packed_bytes", &MoeLayer::packed_bytes)
       .def_property_readonly("pool_slices", &MoeLayer::pool_slices);
 
-  m.def("quantize_matrix",
-        [](Method method, int group, uintptr_t src, DType dtype, int64_t N, int64_t K, uintptr_t weight,
-           uintptr_t scales, uintptr_t mins) {
-          CanonicalMatrix dst = canonical(method, N, K, group, weight, scales, mins);
-          py::gil_scoped_release release;
-          quantize_rows(ptr<const void>(src), dtype, dst, 0, N);
-        },
-        "Quantizes a dense [N, K] matrix into caller-allocated canonical tensors (quantize.h).");
+  m.def(
+      "quantize_matrix",
+      [](Method method, int group, uintptr_t src, DType dtype, int64_t N, int64_t K, uintptr_t weight,
+         uintptr_t scales, uintptr_t mins) {
+        CanonicalMatrix dst = canonical(method, N, K, group, weight, scales, mins);
+        py::gil_scoped_release release;
+        quantize_rows(ptr<const void>(src), dtype, dst, 0, N);
+      },
+      "Quantizes a dense [N, K] matrix into caller-allocated canonical tensors (quantize.h).");
 }

@@ -22,7 +22,9 @@ uint64_t read_xcr0() {
   return (static_cast<uint64_t>(hi) << 32) | lo;
 }
 
-bool bit(uint32_t reg, int b) { return (reg >> b) & 1u; }
+bool bit(uint32_t reg, int b) {
+  return (reg >> b) & 1u;
+}
 
 CpuFeatures detect() {
   CpuFeatures f;
@@ -65,8 +67,8 @@ CpuFeatures detect() {
     // The kernel hands out the 8 KiB tile state only to processes that ask for it.
     if (syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0) {
       unsigned long mask = 0;
-      f.amx_permitted = syscall(SYS_arch_prctl, kArchGetXcompPerm, &mask) == 0 &&
-                        (mask & (1ul << kXfeatureXtiledata));
+      f.amx_permitted =
+          syscall(SYS_arch_prctl, kArchGetXcompPerm, &mask) == 0 && (mask & (1ul << kXfeatureXtiledata));
       if (!f.amx_permitted) f.amx_permission_error = "ARCH_GET_XCOMP_PERM lacks XTILEDATA";
     } else {
       f.amx_permission_error = std::string("arch_prctl(ARCH_REQ_XCOMP_PERM) failed: ") + std::strerror(errno);
@@ -86,10 +88,14 @@ const CpuFeatures& cpu_features() {
 
 const char* isa_name(Isa isa) {
   switch (isa) {
-    case Isa::kScalar: return "scalar";
-    case Isa::kAvx2: return "avx2";
-    case Isa::kAvx512: return "avx512";
-    case Isa::kAmx: return "amx";
+    case Isa::kScalar:
+      return "scalar";
+    case Isa::kAvx2:
+      return "avx2";
+    case Isa::kAvx512:
+      return "avx512";
+    case Isa::kAmx:
+      return "amx";
   }
   return "?";
 }
@@ -105,11 +111,15 @@ bool isa_supported(Isa isa) {
   const bool avx2 = f.os_avx && f.avx2 && f.fma && f.f16c;
   const bool avx512 = avx2 && f.os_avx512 && f.avx512f && f.avx512bw && f.avx512vl && f.avx512dq;
   switch (isa) {
-    case Isa::kScalar: return true;
-    case Isa::kAvx2: return avx2;
-    case Isa::kAvx512: return avx512;
+    case Isa::kScalar:
+      return true;
+    case Isa::kAvx2:
+      return avx2;
+    case Isa::kAvx512:
+      return avx512;
     case Isa::kAmx:
-      return avx512 && f.avx512_vnni && f.avx512_bf16 && f.amx_tile && f.amx_int8 && f.amx_bf16 && f.amx_permitted;
+      return avx512 && f.avx512_vnni && f.avx512_bf16 && f.amx_tile && f.amx_int8 && f.amx_bf16 &&
+             f.amx_permitted;
   }
   return false;
 }
@@ -121,6 +131,8 @@ std::vector<Isa> supported_isas() {
   return out;
 }
 
-Isa best_isa() { return supported_isas().back(); }
+Isa best_isa() {
+  return supported_isas().back();
+}
 
 }  // namespace kt

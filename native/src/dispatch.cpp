@@ -12,8 +12,13 @@ namespace {
 
 KernelTable make_table(Isa isa) {
   const CpuFeatures& f = cpu_features();
-  KernelTable t{Isa::kScalar, kernels::scalar::gemm_bf16, kernels::scalar::gemm_int8,
-                kernels::scalar::gemm_int4, Isa::kScalar, Isa::kScalar, Isa::kScalar};
+  KernelTable t{Isa::kScalar,
+                kernels::scalar::gemm_bf16,
+                kernels::scalar::gemm_int8,
+                kernels::scalar::gemm_int4,
+                Isa::kScalar,
+                Isa::kScalar,
+                Isa::kScalar};
   t.isa = isa;
   if (isa >= Isa::kAvx2) {
     t.gemm_bf16 = kernels::avx2::gemm_bf16, t.isa_bf16 = Isa::kAvx2;
@@ -54,8 +59,8 @@ Isa selected_isa() {
                                 "' is not an ISA path: use scalar, avx2, avx512 or amx");
   if (!isa_supported(*isa))
     throw std::invalid_argument(std::string("KT_SGLANG_ISA='") + env +
-                                "' asks for a path this CPU cannot run (best here: " +
-                                isa_name(best_isa()) + ")");
+                                "' asks for a path this CPU cannot run (best here: " + isa_name(best_isa()) +
+                                ")");
   return *isa;
 }
 

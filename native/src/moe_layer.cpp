@@ -13,7 +13,7 @@ namespace kt {
 
 namespace {
 
-constexpr int kRowChunk = 256;   // rows per kernel call: bounds per-thread scratch
+constexpr int kRowChunk = 256;      // rows per kernel call: bounds per-thread scratch
 constexpr int kMinDownPanels = 4;   // output channels per down work item: at least 4 x 16 ...
 constexpr int kMaxDownPanels = 32;  // ... at most 32 x 16; each item reads every expert's h once
 constexpr int kMaxPools = 64;
@@ -23,7 +23,9 @@ void grow(std::vector<T>& v, size_t n) {
   if (v.size() < n) v.resize(n);
 }
 
-float silu(float x) { return x / (1.0f + std::exp(-x)); }
+float silu(float x) {
+  return x / (1.0f + std::exp(-x));
+}
 
 struct alignas(64) PaddedCounter {
   std::atomic<int64_t> value{0};
@@ -66,7 +68,9 @@ struct MoeWorkspace {
   PaddedCounter load_counter;
 };
 
-std::shared_ptr<MoeWorkspace> make_workspace() { return std::make_shared<MoeWorkspace>(); }
+std::shared_ptr<MoeWorkspace> make_workspace() {
+  return std::make_shared<MoeWorkspace>();
+}
 
 // One pool's slice [i_begin, i_end) of every expert. Gate and up are interleaved per group of
 // intermediate channels (the group's gate panels, then its up panels) so that one kernel call
@@ -87,7 +91,9 @@ struct MoeLayer::PoolWeights {
 
 MoeLayer::MoeLayer(const MoeConfig& config, std::shared_ptr<Runner> runner,
                    std::shared_ptr<MoeWorkspace> workspace, Isa isa)
-    : config_(config), runner_(std::move(runner)), workspace_(std::move(workspace)),
+    : config_(config),
+      runner_(std::move(runner)),
+      workspace_(std::move(workspace)),
       table_(kernel_table(isa)) {
   const MethodTraits& traits = method_traits(config_.method);
   group_ = config_.group == 0 ? traits.default_group : config_.group;
@@ -181,8 +187,8 @@ void MoeLayer::load_dense(const void* gate, const void* up, const void* down, DT
     throw std::invalid_argument("physical_to_logical_map must have num_experts entries");
   for (int64_t s : slot_to_source)
     if (s < 0 || s >= source_experts)
-      throw std::invalid_argument("physical_to_logical_map entry " + std::to_string(s) +
-                                  " is outside the " + std::to_string(source_experts) + " source experts");
+      throw std::invalid_argument("physical_to_logical_map entry " + std::to_string(s) + " is outside the " +
+                                  std::to_string(source_experts) + " source experts");
   if (slot_to_source.empty() && source_experts < E)
     throw std::invalid_argument("weights hold fewer experts than num_experts");
   const int64_t elem = dtype == DType::kFloat32 ? 4 : 2;
@@ -215,9 +221,9 @@ void MoeLayer::load_canonical(const std::vector<CanonicalMatrix>& gate,
     const int group = config_.method == Method::kBf16 ? kKAlign : group_;
     if (m.method != config_.method || m.N != N || m.K != K || m.group != group || !m.weight ||
         (config_.method != Method::kBf16 && !m.scales) || (config_.method == Method::kInt4 && !m.mins))
-      throw std::invalid_argument(std::string(what) + ": canonical matrix does not match the layer (method, shape [" +
-                                  std::to_string(N) + ", " + std::to_string(K) + "], group " +
-                                  std::to_string(group) + ")");
+      throw std::invalid_argument(
+          std::string(what) + ": canonical matrix does not match the layer (method, shape [" +
+          std::to_string(N) + ", " + std::to_string(K) + "], group " + std::to_string(group) + ")");
   };
   for (int64_t e = 0; e < E; ++e) {
     check(gate[e], I, H, "gate"), check(up[e], I, H, "up"), check(down[e], H, I, "down");
@@ -225,9 +231,7 @@ void MoeLayer::load_canonical(const std::vector<CanonicalMatrix>& gate,
   auto& counter = workspace_->load_counter.value;
   counter.store(0);
   runner_->run([&](const WorkerContext&) {
-    for_each_item(counter, E, [&](int64_t e) {
-      pack_expert(static_cast<int>(e), gate[e], up[e], down[e]);
-    });
+    for_each_item(counter, E, [&](int64_t e) { pack_expert(static_cast<int>(e), gate[e], up[e], down[e]); });
   });
   loaded_ = true;
 }
@@ -362,8 +366,8 @@ void MoeLayer::forward_task(const ForwardArgs& args, const WorkerContext& ctx) {
           const uint16_t* x = args.hidden + (c0 + t) * H;
           for (int64_t i = 0; i < H; ++i) row[i] = bf16_to_float(x[i]);
           std::fill(row.begin() + H, row.begin() + Hp, 0.0f);
-          quantize_activation_row(row.data(), Hp, G, ws.x_q.data() + t * Hp,
-                                  ws.x_scale.data() + t * (Hp / G), ws.x_sum.data() + t * (Hp / G));
+          quantize_activation_row(row.data(), Hp, G, ws.x_q.data() + t * Hp, ws.x_scale.data() + t * (Hp / G),
+                                  ws.x_sum.data() + t * (Hp / G));
         }
         for (int p = 0; p < P; ++p) std::fill_n(ws.pools[p].y.data() + t * Hy, Hy, 0.0f);
       }
@@ -400,8 +404,8 @@ void MoeLayer::forward_task(const ForwardArgs& args, const WorkerContext& ctx) {
 
     // Calls the kernel on rows [r0, r0 + m) of expert e, read from a tiled buffer.
     auto gemm_rows = [&](int e, int64_t r0, int m, const uint8_t* rows_base, int64_t row_bytes,
-                         const float* scales, const float* sums, int64_t groups_per_row,
-                         int64_t kdim, const uint8_t* panels, int npan, float* c, int64_t ldc) {
+                         const float* scales, const float* sums, int64_t groups_per_row, int64_t kdim,
+                         const uint8_t* panels, int npan, float* c, int64_t ldc) {
       for (int i = 0; i < m; ++i) {
         const int64_t r = r0 + i;
         ptr_a[i] = tiled_row(const_cast<uint8_t*>(rows_base), r + expert_of_rows(e), row_bytes);
@@ -444,7 +448,8 @@ void MoeLayer::forward_task(const ForwardArgs& args, const WorkerContext& ctx) {
             uint8_t* dst = tiled_row(ps.h_rows.data(), r + expert_of_rows(e), slice * elem);
             for (int j = 0; j < Gh; ++j) h_row[j] = silu(cg[j]) * cu[j];
             if (quantized) {
-              quantize_activation_row(h_row.data(), Gh, G, h_q.data(), ps.h_scale.data() + r * (slice / G) + gl,
+              quantize_activation_row(h_row.data(), Gh, G, h_q.data(),
+                                      ps.h_scale.data() + r * (slice / G) + gl,
                                       ps.h_sum.data() + r * (slice / G) + gl);
               store_tiled(dst, gl * Gh, h_q.data(), Gh);
             } else {
@@ -465,7 +470,8 @@ void MoeLayer::forward_task(const ForwardArgs& args, const WorkerContext& ctx) {
       const int64_t down_panel = panel_bytes(config_.method, G, slice);
       const int64_t panels = Hy / kPanelWidth;
       // Few, wide items (h is re-read per item) but enough of them to balance the pool's workers.
-      const int per_item = static_cast<int>(std::clamp<int64_t>(panels / (4 * ctx.pool_size), kMinDownPanels, kMaxDownPanels));
+      const int per_item =
+          static_cast<int>(std::clamp<int64_t>(panels / (4 * ctx.pool_size), kMinDownPanels, kMaxDownPanels));
       const int64_t blocks = (panels + per_item - 1) / per_item;
       const int ldc = per_item * kPanelWidth;
       grow(c_buf, kRowChunk * ldc);
@@ -476,8 +482,8 @@ void MoeLayer::forward_task(const ForwardArgs& args, const WorkerContext& ctx) {
           const uint8_t* w = pw.down + e * pw.down_bytes + p0 * down_panel;
           for (int64_t r0 = ws.offsets[e]; r0 < ws.offsets[e + 1]; r0 += kRowChunk) {
             const int m = static_cast<int>(std::min<int64_t>(kRowChunk, ws.offsets[e + 1] - r0));
-            gemm_rows(e, r0, m, ps.h_rows.data(), slice * elem, ps.h_scale.data(), ps.h_sum.data(),
-                      slice / G, slice, w, npan, c_buf.data(), ldc);
+            gemm_rows(e, r0, m, ps.h_rows.data(), slice * elem, ps.h_scale.data(), ps.h_sum.data(), slice / G,
+                      slice, w, npan, c_buf.data(), ldc);
             for (int i = 0; i < m; ++i) {
               const float wt = ws.row_weight[r0 + i];
               float* y = ps.y.data() + ws.row_token[r0 + i] * Hy + p0 * kPanelWidth;

@@ -14,9 +14,7 @@ namespace {
 struct SourceView {
   const CanonicalMatrix& m;
   const PackRegion& r;
-  bool inside(int64_t row, int64_t col) const {
-    return r.row_offset + row < m.N && r.col_offset + col < m.K;
-  }
+  bool inside(int64_t row, int64_t col) const { return r.row_offset + row < m.N && r.col_offset + col < m.K; }
   const uint8_t* row_ptr(int64_t row) const {
     return static_cast<const uint8_t*>(m.weight) + (r.row_offset + row) * m.weight_row_bytes();
   }
@@ -44,8 +42,8 @@ struct SourceView {
 
 }  // namespace
 
-void pack_panels(const CanonicalMatrix& src, const PackRegion& region, int64_t panel_begin,
-                 int64_t panel_end, uint8_t* out) {
+void pack_panels(const CanonicalMatrix& src, const PackRegion& region, int64_t panel_begin, int64_t panel_end,
+                 uint8_t* out) {
   const Method method = src.method;
   const int group = method == Method::kBf16 ? kKAlign : src.group;
   const SourceView v{src, region};
@@ -67,7 +65,8 @@ void pack_panels(const CanonicalMatrix& src, const PackRegion& region, int64_t p
         case Method::kInt8: {
           for (int r = 0; r < group / 4; ++r)
             for (int n = 0; n < kPanelWidth; ++n)
-              for (int j = 0; j < 4; ++j) dst[(r * kPanelWidth + n) * 4 + j] = v.int8_as_u8(n0 + n, k0 + 4 * r + j);
+              for (int j = 0; j < 4; ++j)
+                dst[(r * kPanelWidth + n) * 4 + j] = v.int8_as_u8(n0 + n, k0 + 4 * r + j);
           auto* s = reinterpret_cast<uint16_t*>(dst + group_weight_bytes(method, group));
           for (int n = 0; n < kPanelWidth; ++n) s[n] = v.group_entry(src.scales, n0 + n, gi);
           break;

@@ -8,9 +8,12 @@ namespace kt {
 
 int64_t CanonicalMatrix::weight_row_bytes() const {
   switch (method) {
-    case Method::kBf16: return K * 2;
-    case Method::kInt8: return K;
-    case Method::kInt4: return (K + 1) / 2;
+    case Method::kBf16:
+      return K * 2;
+    case Method::kInt8:
+      return K;
+    case Method::kInt4:
+      return (K + 1) / 2;
   }
   return 0;
 }
@@ -30,7 +33,9 @@ inline float round_even(float x) {
 
 KT_CLONES void load_row(const void* src, DType dtype, int64_t K, float* out) {
   switch (dtype) {
-    case DType::kFloat32: std::copy_n(static_cast<const float*>(src), K, out); break;
+    case DType::kFloat32:
+      std::copy_n(static_cast<const float*>(src), K, out);
+      break;
     case DType::kBFloat16: {
       const uint16_t* s = static_cast<const uint16_t*>(src);
       for (int64_t i = 0; i < K; ++i) out[i] = bf16_to_float(s[i]);
@@ -72,7 +77,9 @@ KT_CLONES float int4_error(const float* w, int64_t n, float s, float m) {
   return err;
 }
 
-float round_fp16(float x) { return fp16_to_float(float_to_fp16(x)); }
+float round_fp16(float x) {
+  return fp16_to_float(float_to_fp16(x));
+}
 
 void quantize_int8_row(const float* w, int64_t K, int group, int8_t* q, uint16_t* scales) {
   for (int64_t g0 = 0, gi = 0; g0 < K; g0 += group, ++gi) {
@@ -116,8 +123,7 @@ void quantize_int4_row(const float* w, int64_t K, int group, uint8_t* packed, ui
     const float inv = best_s > 0.0f ? 1.0f / best_s : 0.0f;
     for (int64_t i = 0; i < n; ++i) {
       const int k = static_cast<int>(g0 + i);
-      const auto q = static_cast<uint8_t>(
-          std::min(15.0f, std::max(0.0f, round_even((x[i] - best_m) * inv))));
+      const auto q = static_cast<uint8_t>(std::min(15.0f, std::max(0.0f, round_even((x[i] - best_m) * inv))));
       packed[k / 2] |= (k % 2 == 0) ? q : static_cast<uint8_t>(q << 4);
     }
   }
@@ -125,8 +131,7 @@ void quantize_int4_row(const float* w, int64_t K, int group, uint8_t* packed, ui
 
 }  // namespace
 
-void quantize_rows(const void* src, DType dtype, CanonicalMatrix& dst, int64_t row_begin,
-                   int64_t row_end) {
+void quantize_rows(const void* src, DType dtype, CanonicalMatrix& dst, int64_t row_begin, int64_t row_end) {
   const int64_t K = dst.K;
   const int64_t G = dst.num_groups();
   const int64_t elem = dtype == DType::kFloat32 ? 4 : 2;
@@ -153,8 +158,8 @@ void quantize_rows(const void* src, DType dtype, CanonicalMatrix& dst, int64_t r
 }
 
 namespace {
-KT_CLONES void quantize_activation_row_impl(const float* x, int64_t K, int group, int8_t* q,
-                                            float* scale, float* scaled_sum) {
+KT_CLONES void quantize_activation_row_impl(const float* x, int64_t K, int group, int8_t* q, float* scale,
+                                            float* scaled_sum) {
   for (int64_t g0 = 0, gi = 0; g0 < K; g0 += group, ++gi) {
     float m = 0.0f;
     for (int i = 0; i < group; ++i) m = std::max(m, std::fabs(x[g0 + i]));

@@ -76,9 +76,8 @@ void Runner::sync(int64_t allow_pending) {
   std::exception_ptr error;
   {
     std::unique_lock<std::mutex> lock(mutex_);
-    done_cv_.wait(lock, [&] {
-      return static_cast<int64_t>(submitted_.load() - completed_.load()) <= allow_pending;
-    });
+    done_cv_.wait(
+        lock, [&] { return static_cast<int64_t>(submitted_.load() - completed_.load()) <= allow_pending; });
     std::swap(error, first_error_);
   }
   if (error) std::rethrow_exception(error);
@@ -94,7 +93,9 @@ void Runner::wait(uint64_t id) {
   if (error) std::rethrow_exception(error);
 }
 
-void Runner::run(Task task) { wait(submit(std::move(task))); }
+void Runner::run(Task task) {
+  wait(submit(std::move(task)));
+}
 
 int64_t Runner::pending() const {
   return static_cast<int64_t>(submitted_.load() - completed_.load());

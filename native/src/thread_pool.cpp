@@ -27,8 +27,12 @@ void SpinBarrier::arrive_and_wait() {
   }
 }
 
-void WorkerContext::barrier() const { runner->all_barrier_.arrive_and_wait(); }
+void WorkerContext::barrier() const {
+  runner->all_barrier_.arrive_and_wait();
+}
 
-void WorkerContext::pool_barrier() const { runner->pool_barriers_[pool]->arrive_and_wait(); }
+void WorkerContext::pool_barrier() const {
+  runner->pool_barriers_[pool]->arrive_and_wait();
+}
 
 }  // namespace kt

@@ -17,17 +17,15 @@ Topology load() {
     throw std::runtime_error("hwloc could not read this machine's topology");
   Topology t;
   const unsigned v = hwloc_get_api_version();
-  t.hwloc_version = std::to_string(v >> 16) + "." + std::to_string((v >> 8) & 0xff) + "." +
-                    std::to_string(v & 0xff);
+  t.hwloc_version =
+      std::to_string(v >> 16) + "." + std::to_string((v >> 8) & 0xff) + "." + std::to_string(v & 0xff);
   const hwloc_topology_support* support = hwloc_topology_get_support(g_topo);
-  t.membind_supported = support && support->membind && support->membind->alloc_membind &&
-                        support->membind->bind_membind;
+  t.membind_supported =
+      support && support->membind && support->membind->alloc_membind && support->membind->bind_membind;
 
   const int ncores = hwloc_get_nbobjs_by_type(g_topo, HWLOC_OBJ_CORE);
   const int nnodes = hwloc_get_nbobjs_by_type(g_topo, HWLOC_OBJ_NUMANODE);
-  auto first_pu = [](hwloc_obj_t core) {
-    return static_cast<int>(hwloc_bitmap_first(core->cpuset));
-  };
+  auto first_pu = [](hwloc_obj_t core) { return static_cast<int>(hwloc_bitmap_first(core->cpuset)); };
   for (int n = 0; n < std::max(nnodes, 1); ++n) {
     NumaNode node;
     hwloc_obj_t obj = nnodes > 0 ? hwloc_get_obj_by_type(g_topo, HWLOC_OBJ_NUMANODE, n) : nullptr;
@@ -82,8 +80,7 @@ void* alloc_on_node(size_t bytes, int node_os_index) {
       if (static_cast<int>(o->os_index) == node_os_index) node = o;
   }
   if (node)
-    p = hwloc_alloc_membind(g_topo, bytes, node->nodeset, HWLOC_MEMBIND_BIND,
-                            HWLOC_MEMBIND_BYNODESET);
+    p = hwloc_alloc_membind(g_topo, bytes, node->nodeset, HWLOC_MEMBIND_BIND, HWLOC_MEMBIND_BYNODESET);
   if (!p) p = hwloc_alloc(g_topo, bytes);  // page-aligned; first touch by the node's threads
   if (!p) throw std::bad_alloc();
   return p;

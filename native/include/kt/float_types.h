@@ -45,8 +45,8 @@ inline uint16_t float_to_fp16(float f) {
   const uint32_t abs = u & 0x7fffffffu;
   if (abs > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u);
   if (abs >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // rounds past 65504
-  if (abs < 0x38800000u) {  // subnormal or zero in fp16
-    const float a = std::fabs(f) * 16777216.0f;  // units of 2^-24
+  if (abs < 0x38800000u) {                                               // subnormal or zero in fp16
+    const float a = std::fabs(f) * 16777216.0f;                          // units of 2^-24
     return static_cast<uint16_t>(sign | static_cast<uint32_t>(std::nearbyint(a)));
   }
   uint32_t v = abs - (112u << 23);
@@ -58,9 +58,12 @@ enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 
 inline float load_as_float(const void* base, DType dt, int64_t i) {
   switch (dt) {
-    case DType::kFloat32: return static_cast<const float*>(base)[i];
-    case DType::kFloat16: return fp16_to_float(static_cast<const uint16_t*>(base)[i]);
-    case DType::kBFloat16: return bf16_to_float(static_cast<const uint16_t*>(base)[i]);
+    case DType::kFloat32:
+      return static_cast<const float*>(base)[i];
+    case DType::kFloat16:
+      return fp16_to_float(static_cast<const uint16_t*>(base)[i]);
+    case DType::kBFloat16:
+      return bf16_to_float(static_cast<const uint16_t*>(base)[i]);
   }
   return 0.0f;
 }

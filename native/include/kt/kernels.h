@@ -32,10 +32,10 @@ struct QuantRows {
 
 // C[i][j] for rows i < m and channels j < 16 * npanels of the consecutive panels starting at
 // `panels` (layout in quant_types.h), K a multiple of the group; written, not accumulated.
-using GemmBf16Fn = void (*)(int m, int64_t K, const Bf16Rows& a, const uint8_t* panels,
-                            int npanels, float* c, int64_t ldc);
-using GemmQuantFn = void (*)(int m, int64_t K, int group, const QuantRows& a,
-                             const uint8_t* panels, int npanels, float* c, int64_t ldc);
+using GemmBf16Fn = void (*)(int m, int64_t K, const Bf16Rows& a, const uint8_t* panels, int npanels, float* c,
+                            int64_t ldc);
+using GemmQuantFn = void (*)(int m, int64_t K, int group, const QuantRows& a, const uint8_t* panels,
+                             int npanels, float* c, int64_t ldc);
 
 struct KernelTable {
   Isa isa;
@@ -53,14 +53,14 @@ const KernelTable& kernel_table(Isa isa);
 Isa selected_isa();
 
 namespace kernels {
-#define KT_DECLARE_KERNELS(ns)                                                                    \
-  namespace ns {                                                                                  \
-  void gemm_bf16(int m, int64_t K, const Bf16Rows& a, const uint8_t* panels, int npanels,       \
-                 float* c, int64_t ldc);                                                          \
-  void gemm_int8(int m, int64_t K, int group, const QuantRows& a, const uint8_t* panels,          \
-                 int npanels, float* c, int64_t ldc);                                             \
-  void gemm_int4(int m, int64_t K, int group, const QuantRows& a, const uint8_t* panels,          \
-                 int npanels, float* c, int64_t ldc);                                             \
+#define KT_DECLARE_KERNELS(ns)                                                                        \
+  namespace ns {                                                                                      \
+  void gemm_bf16(int m, int64_t K, const Bf16Rows& a, const uint8_t* panels, int npanels, float* c,   \
+                 int64_t ldc);                                                                        \
+  void gemm_int8(int m, int64_t K, int group, const QuantRows& a, const uint8_t* panels, int npanels, \
+                 float* c, int64_t ldc);                                                              \
+  void gemm_int4(int m, int64_t K, int group, const QuantRows& a, const uint8_t* panels, int npanels, \
+                 float* c, int64_t ldc);                                                              \
   }
 KT_DECLARE_KERNELS(scalar)
 KT_DECLARE_KERNELS(avx2)

@@ -18,7 +18,7 @@ struct MoeConfig {
   int64_t hidden = 0;
   int64_t intermediate = 0;
   Method method = Method::kBf16;
-  int group = 0;                  // 0: the method's default
+  int group = 0;                    // 0: the method's default
   int64_t max_chunk_tokens = 4096;  // prefill is computed in chunks of this many tokens
 };
 
@@ -26,21 +26,21 @@ struct MoeConfig {
 struct MoeWorkspace;
 
 struct ForwardArgs {
-  int64_t tokens = 0;                // used when tokens_ptr is null
+  int64_t tokens = 0;                   // used when tokens_ptr is null
   const int32_t* tokens_ptr = nullptr;  // read when the task runs (one captured graph, any batch)
-  const uint16_t* hidden = nullptr;  // bf16 [tokens, hidden]
-  const void* expert_ids = nullptr;  // int32 or int64 [tokens, top_k]; -1 = skip
+  const uint16_t* hidden = nullptr;     // bf16 [tokens, hidden]
+  const void* expert_ids = nullptr;     // int32 or int64 [tokens, top_k]; -1 = skip
   bool ids_int64 = false;
-  const float* weights = nullptr;    // fp32 [tokens, top_k]
-  const bool* skip_mask = nullptr;   // [num_experts], true = not computed here; may be null
-  uint16_t* out = nullptr;           // bf16 [tokens, hidden]
-  bool incremental = false;          // add to out instead of writing it
+  const float* weights = nullptr;   // fp32 [tokens, top_k]
+  const bool* skip_mask = nullptr;  // [num_experts], true = not computed here; may be null
+  uint16_t* out = nullptr;          // bf16 [tokens, hidden]
+  bool incremental = false;         // add to out instead of writing it
 };
 
 class MoeLayer {
  public:
-  MoeLayer(const MoeConfig& config, std::shared_ptr<Runner> runner,
-           std::shared_ptr<MoeWorkspace> workspace, Isa isa);
+  MoeLayer(const MoeConfig& config, std::shared_ptr<Runner> runner, std::shared_ptr<MoeWorkspace> workspace,
+           Isa isa);
   ~MoeLayer();
   MoeLayer(const MoeLayer&) = delete;
   MoeLayer& operator=(const MoeLayer&) = delete;
@@ -52,8 +52,8 @@ class MoeLayer {
   // Dense expert weights gate/up [E_src, I, H], down [E_src, H, I] of one float dtype; slot e
   // takes source expert slot_to_source[e] (identity when empty). Quantized and packed in parallel
   // on the pools; blocks until done.
-  void load_dense(const void* gate, const void* up, const void* down, DType dtype,
-                  int64_t source_experts, const std::vector<int64_t>& slot_to_source);
+  void load_dense(const void* gate, const void* up, const void* down, DType dtype, int64_t source_experts,
+                  const std::vector<int64_t>& slot_to_source);
   // Already-quantized canonical matrices, one per slot and projection (see quantize.h).
   void load_canonical(const std::vector<CanonicalMatrix>& gate, const std::vector<CanonicalMatrix>& up,
                       const std::vector<CanonicalMatrix>& down);

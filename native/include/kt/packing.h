@@ -18,7 +18,7 @@ struct PackRegion {
 int64_t packed_matrix_bytes(Method method, int group, const PackRegion& region);
 
 // Packs panels [panel_begin, panel_end) of `region` into `out` (the start of the packed matrix).
-void pack_panels(const CanonicalMatrix& src, const PackRegion& region, int64_t panel_begin,
-                 int64_t panel_end, uint8_t* out);
+void pack_panels(const CanonicalMatrix& src, const PackRegion& region, int64_t panel_begin, int64_t panel_end,
+                 uint8_t* out);
 
 }  // namespace kt

@@ -26,10 +26,10 @@ inline constexpr int kKAlign = 64;      // K and the intermediate slices are pad
 
 struct MethodTraits {
   Method method;
-  const char* name;        // as in --kt-method
-  int default_group;       // K-values per scale group; BF16 has no scales (group = kKAlign)
-  int allowed_groups[3];   // 0 = unused slot
-  bool int8_activations;   // activations quantized per (token, group) to int8
+  const char* name;       // as in --kt-method
+  int default_group;      // K-values per scale group; BF16 has no scales (group = kKAlign)
+  int allowed_groups[3];  // 0 = unused slot
+  bool int8_activations;  // activations quantized per (token, group) to int8
 };
 
 // Defaults measured in docs/benchmarks.md: INT8 groups of 64 reach rel. error 0.017 (per-channel:
@@ -40,7 +40,9 @@ inline constexpr MethodTraits kMethodTable[] = {
     {Method::kInt4, "AMXINT4", 64, {32, 64, 128}, true},
 };
 
-inline const MethodTraits& method_traits(Method m) { return kMethodTable[static_cast<int>(m)]; }
+inline const MethodTraits& method_traits(Method m) {
+  return kMethodTable[static_cast<int>(m)];
+}
 
 inline Method parse_method(std::string_view name) {
   for (const auto& t : kMethodTable)
@@ -55,22 +57,30 @@ inline bool group_allowed(Method m, int group) {
   return false;
 }
 
-inline int64_t round_up(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
+inline int64_t round_up(int64_t x, int64_t a) {
+  return (x + a - 1) / a * a;
+}
 
 // Bytes of one group of one panel: weights, then scales.
 inline int64_t group_weight_bytes(Method m, int group) {
   switch (m) {
-    case Method::kBf16: return int64_t{kPanelWidth} * group * 2;
-    case Method::kInt8: return int64_t{kPanelWidth} * group;
-    case Method::kInt4: return int64_t{kPanelWidth} * group / 2;
+    case Method::kBf16:
+      return int64_t{kPanelWidth} * group * 2;
+    case Method::kInt8:
+      return int64_t{kPanelWidth} * group;
+    case Method::kInt4:
+      return int64_t{kPanelWidth} * group / 2;
   }
   return 0;
 }
 inline int64_t group_scale_bytes(Method m) {
   switch (m) {
-    case Method::kBf16: return 0;
-    case Method::kInt8: return kPanelWidth * 2;
-    case Method::kInt4: return kPanelWidth * 4;
+    case Method::kBf16:
+      return 0;
+    case Method::kInt8:
+      return kPanelWidth * 2;
+    case Method::kInt4:
+      return kPanelWidth * 4;
   }
   return 0;
 }

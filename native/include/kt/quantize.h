@@ -19,7 +19,7 @@ struct CanonicalMatrix {
   Method method;
   int64_t N = 0, K = 0;
   int group = 0;
-  void* weight = nullptr;    // bf16, int8 or packed uint8, row-major
+  void* weight = nullptr;      // bf16, int8 or packed uint8, row-major
   uint16_t* scales = nullptr;  // fp16 [N, G] (quantized methods)
   uint16_t* mins = nullptr;    // fp16 [N, G] (AMXINT4)
   int64_t num_groups() const { return (K + group - 1) / group; }
@@ -27,8 +27,7 @@ struct CanonicalMatrix {
 };
 
 // Quantizes rows [row_begin, row_end) of a dense matrix `src` [N, K] of dtype `dtype` into `dst`.
-void quantize_rows(const void* src, DType dtype, CanonicalMatrix& dst, int64_t row_begin,
-                   int64_t row_end);
+void quantize_rows(const void* src, DType dtype, CanonicalMatrix& dst, int64_t row_begin, int64_t row_end);
 
 // Quantizes one activation row of K floats (K a multiple of `group`) to int8 per group.
 void quantize_activation_row(const float* x, int64_t K, int group, int8_t* q, float* scale,

@@ -9,9 +9,9 @@
 namespace kt {
 
 struct NumaNode {
-  int os_index = 0;             // the node's number as the OS names it
-  std::vector<int> cores;       // one OS cpu index per physical core (first hardware thread)
-  uint64_t memory_bytes = 0;    // local memory; 0 when the OS does not say
+  int os_index = 0;           // the node's number as the OS names it
+  std::vector<int> cores;     // one OS cpu index per physical core (first hardware thread)
+  uint64_t memory_bytes = 0;  // local memory; 0 when the OS does not say
 };
 
 struct Topology {

@@ -18,8 +18,8 @@ void gemm_bf16(int m, int64_t K, const Bf16Rows& a, const uint8_t* panels, int n
   if (stage.size() < static_cast<size_t>(kRowBlock * K * 2)) stage.resize(kRowBlock * K * 2);
   for (int rb = 0; rb < m; rb += kRowBlock) {
     const int rows = std::min(kRowBlock, m - rb);
-    const uint8_t* A = tiled_block(reinterpret_cast<const uint8_t* const*>(a.rows + rb),
-                                   a.chunk_stride, rows, K * 2, stage.data());
+    const uint8_t* A = tiled_block(reinterpret_cast<const uint8_t* const*>(a.rows + rb), a.chunk_stride, rows,
+                                   K * 2, stage.data());
     for (int p = 0; p < npanels; p += 2) {
       const bool two = p + 1 < npanels;
       const uint8_t* b0 = panels + p * pbytes;

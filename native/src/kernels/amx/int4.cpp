@@ -2,8 +2,8 @@
 
 namespace kt::kernels::amx {
 
-void gemm_int4(int m, int64_t K, int group, const QuantRows& a, const uint8_t* panels, int npanels,
-               float* c, int64_t ldc) {
+void gemm_int4(int m, int64_t K, int group, const QuantRows& a, const uint8_t* panels, int npanels, float* c,
+               int64_t ldc) {
   gemm_quant<Method::kInt4>(m, K, group, a, panels, npanels, c, ldc, avx512::gemm_int4);
 }
 

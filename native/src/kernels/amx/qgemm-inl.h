@@ -27,8 +27,8 @@ inline void unpack_int4_group(const uint8_t* w, int group, uint8_t* out) {
 }
 
 template <Method M>
-void gemm_quant(int m, int64_t K, int group, const QuantRows& a, const uint8_t* panels, int npanels,
-                float* c, int64_t ldc, GemmQuantFn small) {
+void gemm_quant(int m, int64_t K, int group, const QuantRows& a, const uint8_t* panels, int npanels, float* c,
+                int64_t ldc, GemmQuantFn small) {
   if (m <= 4 || group % 64 != 0) return small(m, K, group, a, panels, npanels, c, ldc);
   configure_tiles();
   const int64_t groups = K / group;
@@ -36,9 +36,9 @@ void gemm_quant(int m, int64_t K, int group, const QuantRows& a, const uint8_t* 
   const int blocks = (m + kRowBlock - 1) / kRowBlock;
   const int64_t pbytes = panel_bytes(M, group, K);
   const int64_t gbytes = group_bytes(M, group), wbytes = group_weight_bytes(M, group);
-  thread_local std::vector<uint8_t> stage;      // rows that are not tiled yet
+  thread_local std::vector<uint8_t> stage;        // rows that are not tiled yet
   thread_local std::vector<const uint8_t*> base;  // per row block
-  thread_local std::vector<float> acc;          // [blocks * 32][32]
+  thread_local std::vector<float> acc;            // [blocks * 32][32]
   alignas(64) thread_local int32_t dots[2][32][32];
   alignas(64) thread_local uint8_t unpacked[2][128 * 16];
   if (stage.size() < static_cast<size_t>(blocks * kRowBlock * K)) stage.resize(blocks * kRowBlock * K);
@@ -79,7 +79,7 @@ void gemm_quant(int m, int64_t K, int group, const QuantRows& a, const uint8_t* 
       {
         for (int b = 0; b < blocks; ++b) {
           const int rows = std::min(kRowBlock, m - b * kRowBlock);
-          int32_t(*d)[32] = dots[b & 1];
+          int32_t (*d)[32] = dots[b & 1];
           _tile_zero(0);
           _tile_zero(1);
           _tile_zero(2);

@@ -15,8 +15,8 @@ inline __m256i dot4(__m256i acc, __m256i w, __m256i a, __m256i factor) {
 }
 
 template <Method M>
-void gemm_quant(int m, int64_t K, int group, const QuantRows& a, const uint8_t* panels, int npanels,
-                float* c, int64_t ldc) {
+void gemm_quant(int m, int64_t K, int group, const QuantRows& a, const uint8_t* panels, int npanels, float* c,
+                int64_t ldc) {
   const int64_t pbytes = panel_bytes(M, group, K);
   const int64_t gbytes = group_bytes(M, group), wbytes = group_weight_bytes(M, group);
   const __m256i nibble = _mm256_set1_epi8(0x0f);
@@ -54,13 +54,15 @@ void gemm_quant(int m, int64_t K, int group, const QuantRows& a, const uint8_t* 
         }
         const float sa = a.scale[i][gi], ssum = a.scaled_sum[i][gi];
         for (int h = 0; h < 2; ++h) {
-          const __m256 ws = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + wbytes + 16 * h)));
+          const __m256 ws =
+              _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + wbytes + 16 * h)));
           const __m256 wm = M == Method::kInt8
                                 ? _mm256_mul_ps(ws, _mm256_set1_ps(-128.0f))
-                                : _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + wbytes + 32 + 16 * h)));
+                                : _mm256_cvtph_ps(_mm_loadu_si128(
+                                      reinterpret_cast<const __m128i*>(w + wbytes + 32 + 16 * h)));
           const __m256 t = _mm256_mul_ps(wm, _mm256_set1_ps(ssum));
-          acc[h] = _mm256_add_ps(acc[h], _mm256_fmadd_ps(_mm256_cvtepi32_ps(d[h]),
-                                                         _mm256_mul_ps(ws, _mm256_set1_ps(sa)), t));
+          acc[h] = _mm256_add_ps(
+              acc[h], _mm256_fmadd_ps(_mm256_cvtepi32_ps(d[h]), _mm256_mul_ps(ws, _mm256_set1_ps(sa)), t));
         }
       }
       for (int h = 0; h < 2; ++h) _mm256_storeu_ps(c + i * ldc + p * kPanelWidth + 8 * h, acc[h]);

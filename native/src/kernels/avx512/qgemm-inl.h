@@ -65,23 +65,25 @@ inline void gemm_quant_rows(int64_t K, int group, const QuantRows& a, int i0, co
         }
     }
     const __m512 ws = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + wbytes)));
-    const __m512 wm = M == Method::kInt8
-                          ? _mm512_mul_ps(ws, _mm512_set1_ps(-128.0f))
-                          : _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + wbytes + 32)));
+    const __m512 wm =
+        M == Method::kInt8
+            ? _mm512_mul_ps(ws, _mm512_set1_ps(-128.0f))
+            : _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + wbytes + 32)));
     for (int i = 0; i < kRows; ++i) {
       __m512i dsum = d[i][0];
       for (int u = 1; u < kChains; ++u) dsum = _mm512_add_epi32(dsum, d[i][u]);
       const __m512 t = _mm512_mul_ps(wm, _mm512_set1_ps(a.scaled_sum[i0 + i][gi]));
-      acc[i] = _mm512_add_ps(acc[i], _mm512_fmadd_ps(_mm512_cvtepi32_ps(dsum),
-                                                     _mm512_mul_ps(ws, _mm512_set1_ps(a.scale[i0 + i][gi])), t));
+      acc[i] =
+          _mm512_add_ps(acc[i], _mm512_fmadd_ps(_mm512_cvtepi32_ps(dsum),
+                                                _mm512_mul_ps(ws, _mm512_set1_ps(a.scale[i0 + i][gi])), t));
     }
   }
   for (int i = 0; i < kRows; ++i) _mm512_storeu_ps(out[i], acc[i]);
 }
 
 template <Method M>
-void gemm_quant(int m, int64_t K, int group, const QuantRows& a, const uint8_t* panels, int npanels,
-                float* c, int64_t ldc) {
+void gemm_quant(int m, int64_t K, int group, const QuantRows& a, const uint8_t* panels, int npanels, float* c,
+                int64_t ldc) {
   const int64_t pbytes = panel_bytes(M, group, K);
   for (int p = 0; p < npanels; ++p) {
     const uint8_t* panel = panels + p * pbytes;

@@ -2,8 +2,8 @@
 
 namespace kt::kernels::scalar {
 
-void gemm_int8(int m, int64_t K, int group, const QuantRows& a, const uint8_t* panels, int npanels,
-               float* c, int64_t ldc) {
+void gemm_int8(int m, int64_t K, int group, const QuantRows& a, const uint8_t* panels, int npanels, float* c,
+               int64_t ldc) {
   gemm_quant<Method::kInt8>(m, K, group, a, panels, npanels, c, ldc);
 }
 
