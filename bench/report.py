@@ -15,8 +15,13 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.ticker  # noqa: E402
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
+
+
+def _ms(points: dict, tokens: str) -> str:
+    return f"{points[tokens]['ms']:.2f}" if tokens in points else "-"
 
 
 def table(results: list[dict]) -> str:
@@ -29,15 +34,12 @@ def table(results: list[dict]) -> str:
         for r in res["rows"]:
             d, p = r["decode"], r["prefill"]
 
-            def ms(t):
-                return f"{d[t]['ms']:.2f}" if t in d else "-"
-
             t1 = f"{d['1']['ms']:.2f} ({100 * d['1']['bw_fraction']:.0f}%)" if "1" in d else "-"
             pre = " / ".join(f"{p[t]['tokens_per_s']:.0f}" for t in ("128", "512", "2048") if t in p)
             tops = f"{p['2048']['tops']:.2f}" if "2048" in p else "-"
             err = f"{r['rel_error']:.4f}" if "rel_error" in r else "-"
             lines.append(
-                f"| {r['layer']} | {r['method']} | {r['threads']} | {t1} | {ms('4')} | {ms('16')} "
+                f"| {r['layer']} | {r['method']} | {r['threads']} | {t1} | {_ms(d, '4')} | {_ms(d, '16')} "
                 f"| {pre} | {tops} | {err} |"
             )
     return "\n".join(lines)
@@ -57,6 +59,8 @@ def plot(results: list[dict], out: Path) -> None:
     axes[0].set(xscale="log", xlabel="decode tokens", ylabel="% of measured read bandwidth", ylim=(0, 110))
     axes[1].set(xscale="log", yscale="log", xlabel="prefill tokens", ylabel="tokens / s")
     axes[0].axhline(80, color="gray", linestyle="--", linewidth=1)
+    for ax in axes:
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     axes[1].legend(fontsize=7)
     fig.suptitle("kt-sglang CPU engine, one MoE layer (2 threads)")
     fig.tight_layout()
