@@ -112,8 +112,7 @@ def test_threads_and_pools_agree(method, threads, pools, numa_nodes):
 
 @pytest.mark.parametrize("method", METHODS)
 def test_incremental_adds_to_output(method):
-    from kt_sglang.engine.native import _native  # the wrapper writes; the engine can also add
-
+    """The wrapper writes its output; the engine can also add to what is there (hybrid layer)."""
     E, k, H, I, T = 8, 2, 256, 192, 12
     gate, up, down = make_weights(E, I, H, seed=6)
     ids, weights = make_routing(T, E, k)
@@ -129,7 +128,6 @@ def test_incremental_adds_to_output(method):
     layer._runner.wait(task)
     expected = base.float() + moe_reference(x, gate, up, down, ids, weights)
     assert relative_error(out, expected) <= BOUNDS[method]
-    assert _native.supported_isas()
 
 
 @pytest.mark.parametrize("method", METHODS)
