@@ -25,7 +25,6 @@ class _Buffers:
     ids: torch.Tensor  # int64 [T, k]
     weights: torch.Tensor  # fp32 [T, k]
     out: torch.Tensor  # bf16 [T, H]
-    tokens: torch.Tensor  # int32 [1], read by the engine when the task runs
 
     @classmethod
     def allocate(cls, tokens: int, hidden: int, top_k: int) -> _Buffers:
@@ -34,7 +33,6 @@ class _Buffers:
             _pin(torch.zeros(tokens, top_k, dtype=torch.int64)),
             _pin(torch.zeros(tokens, top_k, dtype=torch.float32)),
             _pin(torch.zeros(tokens, hidden, dtype=torch.bfloat16)),
-            _pin(torch.zeros(1, dtype=torch.int32)),
         )
 
     @property
@@ -242,7 +240,6 @@ class KTMoEWrapper:
         buf.hidden[:T].copy_(hidden_states, non_blocking=cuda_stream is not None)
         buf.ids[:T].copy_(topk_ids, non_blocking=cuda_stream is not None)
         buf.weights[:T].copy_(topk_weights, non_blocking=cuda_stream is not None)
-        buf.tokens[0] = T
         if cuda_stream is not None and hidden_states.is_cuda:
             torch.cuda.current_stream().synchronize()
         mask_ptr = self.gpu_experts_mask.data_ptr() if self.gpu_experts_mask is not None else 0
@@ -293,7 +290,7 @@ class KTMoEWrapper:
         if not topk_weights.dtype.is_floating_point:
             raise ValueError(f"topk_weights has dtype {topk_weights.dtype}; expected float32")
         if topk_ids.device.type == "cpu" and T > 0:
-            lo, hi = int(topk_ids.min()), int(topk_ids.max())
+            lo, hi = (int(v) for v in torch.aminmax(topk_ids))
             if lo < -1 or hi >= E:
                 bad = lo if lo < -1 else hi
                 raise ValueError(f"topk_ids holds expert id {bad}, outside [-1, {E}) (-1 means skip)")
