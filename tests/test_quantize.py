@@ -136,3 +136,26 @@ def test_canonical_load_validates():
         layer.load_canonical(good, good, [down[0], CanonicalMatrix(down[1].weight, down[1].scales)])
     with pytest.raises(ValueError, match=r"down\[1\].weight is torch.int8 \[128, 64\]; expected torch.uint8"):
         layer.load_canonical(good, good, [down[0], quantize("AMXINT8", torch.randn(H, I))])
+
+
+def test_native_quantizer_validates_before_writing():
+    w = torch.randn(4, 64)
+    out = torch.zeros(4, 32, dtype=torch.uint8)
+    scales = torch.zeros(4, 1, dtype=torch.float16)
+    with pytest.raises(ValueError, match="group size 256 is not allowed for AMXINT4"):
+        _native.quantize_matrix(
+            _native.Method.AMXINT4,
+            256,
+            w.data_ptr(),
+            _native.DType.float32,
+            4,
+            64,
+            out.data_ptr(),
+            scales.data_ptr(),
+            scales.data_ptr(),
+        )
+    with pytest.raises(ValueError, match="null source or destination"):
+        _native.quantize_matrix(
+            _native.Method.AMXINT8, 64, w.data_ptr(), _native.DType.float32, 4, 64, 0, 0, 0
+        )
+    assert torch.count_nonzero(out) == 0

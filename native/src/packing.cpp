@@ -14,9 +14,10 @@ namespace {
 struct SourceView {
   const CanonicalMatrix& m;
   const PackRegion& r;
+  const int64_t row_bytes = m.weight_row_bytes();
   bool inside(int64_t row, int64_t col) const { return r.row_offset + row < m.N && r.col_offset + col < m.K; }
   const uint8_t* row_ptr(int64_t row) const {
-    return static_cast<const uint8_t*>(m.weight) + (r.row_offset + row) * m.weight_row_bytes();
+    return static_cast<const uint8_t*>(m.weight) + (r.row_offset + row) * row_bytes;
   }
   uint16_t bf16(int64_t row, int64_t col) const {
     if (!inside(row, col)) return 0;

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 namespace kt {
@@ -47,6 +49,19 @@ KT_CLONES void load_row(const void* src, DType dtype, int64_t K, float* out) {
       break;
     }
   }
+}
+
+KT_CLONES void min_max(const float* x, int64_t n, float& lo, float& hi) {
+  float a = x[0], b = x[0];
+  for (int64_t i = 1; i < n; ++i) a = std::min(a, x[i]), b = std::max(b, x[i]);
+  lo = a, hi = b;
+}
+
+// q = clamp(round((w - m) / s), 0, 15) for one group, as bytes.
+KT_CLONES void int4_codes(const float* w, int64_t n, float s, float m, uint8_t* q) {
+  const float inv = s > 0.0f ? 1.0f / s : 0.0f;
+  for (int64_t i = 0; i < n; ++i)
+    q[i] = static_cast<uint8_t>(std::min(15.0f, std::max(0.0f, round_even((w[i] - m) * inv))));
 }
 
 KT_CLONES float abs_max(const float* x, int64_t n) {
@@ -104,10 +119,7 @@ void quantize_int4_row(const float* w, int64_t K, int group, uint8_t* packed, ui
     const int64_t n = std::min<int64_t>(group, K - g0);
     const float* x = w + g0;
     float lo = 0.0f, hi = 0.0f;
-    if (n > 0) {
-      lo = *std::min_element(x, x + n);
-      hi = *std::max_element(x, x + n);
-    }
+    if (n > 0) min_max(x, n, lo, hi);
     float best_s = round_fp16((hi - lo) / 15.0f), best_m = round_fp16(lo);
     float best_err = int4_error(x, n, best_s, best_m);
     for (float cl : kShrink) {
@@ -120,11 +132,11 @@ void quantize_int4_row(const float* w, int64_t K, int group, uint8_t* packed, ui
     }
     scales[gi] = float_to_fp16(best_s);
     mins[gi] = float_to_fp16(best_m);
-    const float inv = best_s > 0.0f ? 1.0f / best_s : 0.0f;
+    uint8_t codes[128];
+    int4_codes(x, n, best_s, best_m, codes);
     for (int64_t i = 0; i < n; ++i) {
-      const int k = static_cast<int>(g0 + i);
-      const auto q = static_cast<uint8_t>(std::min(15.0f, std::max(0.0f, round_even((x[i] - best_m) * inv))));
-      packed[k / 2] |= (k % 2 == 0) ? q : static_cast<uint8_t>(q << 4);
+      const int64_t k = g0 + i;
+      packed[k / 2] |= (k % 2 == 0) ? codes[i] : static_cast<uint8_t>(codes[i] << 4);
     }
   }
 }
@@ -132,6 +144,14 @@ void quantize_int4_row(const float* w, int64_t K, int group, uint8_t* packed, ui
 }  // namespace
 
 void quantize_rows(const void* src, DType dtype, CanonicalMatrix& dst, int64_t row_begin, int64_t row_end) {
+  if (!src || !dst.weight || (dst.method != Method::kBf16 && !dst.scales) ||
+      (dst.method == Method::kInt4 && !dst.mins))
+    throw std::invalid_argument("quantize: null source or destination tensor");
+  if (dst.N < 0 || dst.K < 1 || row_begin < 0 || row_end > dst.N || row_begin > row_end)
+    throw std::invalid_argument("quantize: bad matrix shape or row range");
+  if (dst.method != Method::kBf16 && !group_allowed(dst.method, dst.group))
+    throw std::invalid_argument("quantize: group size " + std::to_string(dst.group) + " is not allowed for " +
+                                method_traits(dst.method).name);
   const int64_t K = dst.K;
   const int64_t G = dst.num_groups();
   const int64_t elem = dtype == DType::kFloat32 ? 4 : 2;

@@ -70,7 +70,7 @@ void gemm_quant(int m, int64_t K, int group, const QuantRows& a, const uint8_t* 
   auto epilogue = [&](const Pending& pend) {
     const int b = pend.block;
     const int rows = std::min(kRowBlock, m - b * kRowBlock);
-    int32_t(*d)[32] = dots[pend.slot];
+    int32_t (*d)[32] = dots[pend.slot];
     float* sums = acc.data() + b * kRowBlock * 32;
     for (int i = 0; i < rows; ++i) {
       const int r = b * kRowBlock + i;
@@ -111,7 +111,7 @@ void gemm_quant(int m, int64_t K, int group, const QuantRows& a, const uint8_t* 
         _tile_loadd(7, staged[1], 64);
       }
       for (int b = 0; b < blocks; ++b, ++step) {
-        int32_t(*d)[32] = dots[step & 1];
+        int32_t (*d)[32] = dots[step & 1];
         _tile_zero(0);
         _tile_zero(1);
         _tile_zero(2);
