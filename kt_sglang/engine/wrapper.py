@@ -190,11 +190,36 @@ class KTMoEWrapper:
         self._layer.load_canonical(ptrs["gate"], ptrs["up"], ptrs["down"])
 
     def load_weights(self, physical_to_logical_map: torch.Tensor | list[int] | None = None) -> None:
-        """Loads ``weight_path`` (canonical directory or the HF checkpoint): not built yet."""
-        raise NotImplementedError(
-            "KTMoEWrapper.load_weights (reading weight_path) is not implemented yet; "
-            "use load_weights_from_tensors"
-        )
+        """Loads this layer's experts from ``weight_path``, a Hugging Face checkpoint directory
+        (bf16 / fp16 / fp32 / FP8 with block scales), quantizing them to ``method`` on load.
+
+        Slot e takes checkpoint expert ``physical_to_logical_map[e]`` (identity by default); only the
+        experts named are read.
+        """
+        from kt_sglang.weights.checkpoint import CheckpointError, open_checkpoint
+
+        if not self.weight_path:
+            raise ValueError("load_weights needs weight_path; use load_weights_from_tensors for tensors")
+        ckpt = open_checkpoint(self.weight_path)
+        spec = ckpt.spec
+        for name, ours, theirs in (
+            ("hidden_size", self.hidden_size, spec.hidden_size),
+            ("moe_intermediate_size", self.moe_intermediate_size, spec.intermediate_size),
+        ):
+            if ours != theirs:
+                raise CheckpointError(
+                    f"{ckpt.path / 'config.json'}: {name} is {theirs}; this layer was built with {ours}"
+                )
+        slots = self._slot_map(physical_to_logical_map, spec.num_experts) or list(range(self.num_experts))
+        if physical_to_logical_map is None and spec.num_experts != self.num_experts:
+            raise CheckpointError(
+                f"{ckpt.path / 'config.json'}: the model has {spec.num_experts} experts, this layer "
+                f"{self.num_experts}; pass physical_to_logical_map"
+            )
+        needed = sorted(set(slots))
+        gate, up, down = ckpt.layer_experts(self.layer_idx, needed)
+        position = {e: i for i, e in enumerate(needed)}
+        self.load_weights_from_tensors(gate, up, down, [position[e] for e in slots])
 
     def _slot_map(self, physical_to_logical_map, source_experts: int) -> list[int]:
         if physical_to_logical_map is None:

@@ -1,0 +1,71 @@
+"""Model families: config keys and expert tensor names, read from configs/models/*.json (data, not code)."""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    family: str
+    model_types: tuple[str, ...]
+    config: dict[str, tuple[str, ...]]  # our name -> config keys to try, in order
+    moe_layers: dict[str, str]  # rule -> config key
+    experts: dict[str, str]  # gate / up / down -> name pattern with {layer} and {expert}
+    fused_experts: dict[str, str]  # gate_up / down -> name pattern with {layer}
+
+    def config_value(self, config: dict, name: str):
+        for key in self.config[name]:
+            if config.get(key) is not None:
+                return config[key]
+        raise KeyError(f"config.json has none of {list(self.config[name])} (needed for {name})")
+
+    def is_moe_layer(self, config: dict, layer: int) -> bool:
+        rules = self.moe_layers
+        if "first_k_dense_replace" in rules and layer < int(config.get(rules["first_k_dense_replace"]) or 0):
+            return False
+        if "every" in rules and layer % int(config.get(rules["every"]) or 1) != 0:
+            return False
+        if "mlp_only_layers" in rules and layer in (config.get(rules["mlp_only_layers"]) or []):
+            return False
+        if "sparse_step" in rules and (layer + 1) % int(config.get(rules["sparse_step"]) or 1) != 0:
+            return False
+        return True
+
+
+def _configs_dir() -> Path:
+    installed = Path(__file__).resolve().parent.parent / "configs" / "models"  # wheel: kt_sglang/configs
+    if installed.is_dir():
+        return installed
+    return Path(__file__).resolve().parents[2] / "configs" / "models"  # source checkout
+
+
+@functools.cache
+def load_families() -> tuple[ModelFamily, ...]:
+    families = []
+    for path in sorted(_configs_dir().glob("*.json")):
+        data = json.loads(path.read_text())
+        families.append(
+            ModelFamily(
+                family=data["family"],
+                model_types=tuple(data["model_types"]),
+                config={k: tuple(v) for k, v in data["config"].items()},
+                moe_layers=dict(data.get("moe_layers", {})),
+                experts=dict(data["experts"]),
+                fused_experts=dict(data.get("fused_experts", {})),
+            )
+        )
+    if not families:
+        raise RuntimeError(f"no model family files in {_configs_dir()}")
+    return tuple(families)
+
+
+def family_for(model_type: str) -> ModelFamily:
+    for family in load_families():
+        if model_type in family.model_types:
+            return family
+    known = sorted(t for f in load_families() for t in f.model_types)
+    raise ValueError(f"model_type {model_type!r} is not a supported MoE family; supported: {known}")

@@ -1,0 +1,213 @@
+"""Loading experts straight from Hugging Face checkpoints of every naming scheme we read."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_hidden, make_routing, make_weights
+from safetensors.torch import save_file
+
+from kt_sglang import KTMoEWrapper
+from kt_sglang.engine.reference import moe_reference, relative_error
+from kt_sglang.weights import Checkpoint, CheckpointError
+
+E, K, H, I = 8, 2, 256, 128
+
+
+def write_checkpoint(path: Path, config: dict, tensors: dict[str, torch.Tensor], shards: int = 1) -> Path:
+    """config.json plus `shards` safetensors files (with an index when there are several)."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    names = sorted(tensors)
+    if shards == 1:
+        save_file({n: tensors[n].contiguous() for n in names}, str(path / "model.safetensors"))
+        return path
+    weight_map = {}
+    for s in range(shards):
+        part = names[s::shards]
+        file = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        save_file({n: tensors[n].contiguous() for n in part}, str(path / file))
+        weight_map.update({n: file for n in part})
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return path
+
+
+def per_expert(pattern: dict[str, str], layer: int, weights, prefix: str = "") -> dict[str, torch.Tensor]:
+    gate, up, down = weights
+    out = {}
+    for e in range(gate.shape[0]):
+        for proj, w in (("gate", gate[e]), ("up", up[e]), ("down", down[e])):
+            out[prefix + pattern[proj].format(layer=layer, expert=e)] = w.bfloat16()
+    return out
+
+
+QWEN = {
+    "gate": "model.layers.{layer}.mlp.experts.{expert}.gate_proj.weight",
+    "up": "model.layers.{layer}.mlp.experts.{expert}.up_proj.weight",
+    "down": "model.layers.{layer}.mlp.experts.{expert}.down_proj.weight",
+}
+MIXTRAL = {
+    "gate": "model.layers.{layer}.block_sparse_moe.experts.{expert}.w1.weight",
+    "up": "model.layers.{layer}.block_sparse_moe.experts.{expert}.w3.weight",
+    "down": "model.layers.{layer}.block_sparse_moe.experts.{expert}.w2.weight",
+}
+
+
+def qwen_config(**kw) -> dict:
+    cfg = {
+        "model_type": "qwen3_moe",
+        "num_experts": E,
+        "num_experts_per_tok": K,
+        "hidden_size": H,
+        "moe_intermediate_size": I,
+        "num_hidden_layers": 3,
+        "mlp_only_layers": [0],
+        "decoder_sparse_step": 1,
+    }
+    cfg.update(kw)
+    return cfg
+
+
+def check_layer(path: Path, layer: int, weights, method: str = "BF16", bound: float = 0.01) -> None:
+    gate, up, down = weights
+    n, inter, hidden = gate.shape
+    w = KTMoEWrapper(layer, n, K, hidden, inter, None, 2, 1, weight_path=str(path), method=method)
+    w.load_weights()
+    x = make_hidden(24, hidden)
+    ids, wts = make_routing(24, gate.shape[0], K)
+    ref = moe_reference(x, gate.bfloat16(), up.bfloat16(), down.bfloat16(), ids, wts)
+    assert relative_error(w.forward(x, ids, wts), ref) <= bound
+
+
+@pytest.mark.parametrize("method,bound", [("BF16", 0.01), ("AMXINT8", 0.02), ("AMXINT4", 0.16)])
+def test_qwen_per_expert(tmp_path, method, bound):
+    layers = {layer: make_weights(E, I, H, seed=layer) for layer in (1, 2)}
+    tensors = {n: t for layer, w in layers.items() for n, t in per_expert(QWEN, layer, w).items()}
+    tensors["model.layers.0.mlp.gate_proj.weight"] = torch.randn(4 * I, H).bfloat16()  # dense layer 0
+    path = write_checkpoint(tmp_path / "qwen", qwen_config(), tensors)
+    assert Checkpoint(path).spec.moe_layers == (1, 2)
+    check_layer(path, 2, layers[2], method, bound)
+
+
+def test_mixtral_names_and_physical_map(tmp_path):
+    weights = make_weights(E, I, H, seed=3)
+    cfg = {
+        "model_type": "mixtral",
+        "num_local_experts": E,
+        "num_experts_per_tok": K,
+        "hidden_size": H,
+        "intermediate_size": I,
+        "num_hidden_layers": 1,
+    }
+    path = write_checkpoint(tmp_path / "mixtral", cfg, per_expert(MIXTRAL, 0, weights))
+    check_layer(path, 0, weights)
+    slots = [7, 0, 3, 3]
+    w = KTMoEWrapper(0, 4, K, H, I, None, 2, 1, weight_path=str(path), method="BF16")
+    w.load_weights(slots)
+    x = make_hidden(10, H)
+    ids, wts = make_routing(10, 4, K)
+    ref = moe_reference(x, *(t[slots].bfloat16() for t in weights), ids, wts)
+    assert relative_error(w.forward(x, ids, wts), ref) <= 0.01
+
+
+def test_deepseek_fp8_dense_first_layers_and_mtp(tmp_path):
+    """FP8 e4m3 experts with 128x128-style block scales (64 here), dense layer 0, an MTP layer 2."""
+    weights = make_weights(E, I, H, seed=4)
+    block = 64
+    tensors = {}
+    fp8_weights = []
+    for proj, stack in zip(("gate", "up", "down"), weights, strict=True):
+        deq = []
+        for e in range(E):
+            w = stack[e]
+            blocks = w.reshape(w.shape[0] // block, block, w.shape[1] // block, block)
+            scale = blocks.abs().amax(dim=(1, 3)) / 448.0
+            q = (w / scale.repeat_interleave(block, 0).repeat_interleave(block, 1)).to(torch.float8_e4m3fn)
+            name = QWEN[proj].format(layer=1, expert=e)
+            tensors[name], tensors[name + "_scale_inv"] = q, scale
+            deq.append(q.float() * scale.repeat_interleave(block, 0).repeat_interleave(block, 1))
+        fp8_weights.append(torch.stack(deq))
+    tensors.update(per_expert(QWEN, 2, make_weights(E, I, H, seed=5)))  # MTP layer past num_hidden_layers
+    cfg = {
+        "model_type": "deepseek_v3",
+        "n_routed_experts": E,
+        "num_experts_per_tok": K,
+        "hidden_size": H,
+        "moe_intermediate_size": I,
+        "num_hidden_layers": 2,
+        "first_k_dense_replace": 1,
+        "quantization_config": {"quant_method": "fp8", "weight_block_size": [block, block]},
+    }
+    path = write_checkpoint(tmp_path / "deepseek", cfg, tensors)
+    assert Checkpoint(path).spec.moe_layers == (1,)
+    check_layer(path, 1, fp8_weights, "AMXINT8", 0.02)
+    with pytest.raises(CheckpointError, match="layer 2 is not an MoE layer"):
+        KTMoEWrapper(2, E, K, H, I, None, 2, 1, weight_path=str(path), method="BF16").load_weights()
+    del tensors[QWEN["up"].format(layer=1, expert=3) + "_scale_inv"]
+    broken = write_checkpoint(tmp_path / "deepseek-no-scales", cfg, tensors)
+    with pytest.raises(CheckpointError, match=r"experts.3.up_proj.weight is FP8 but .*_scale_inv is missing"):
+        KTMoEWrapper(1, E, K, H, I, None, 2, 1, weight_path=str(broken), method="BF16").load_weights()
+
+
+@pytest.mark.parametrize("orientation", ["linear", "transposed"])
+def test_fused_experts(tmp_path, orientation):
+    """transformers v5 fuses gate and up; H != 2I so the orientation is unambiguous (a tie reads linear)."""
+    hidden = 384
+    gate, up, down = make_weights(E, I, hidden, seed=6)
+    if orientation == "linear":
+        gate_up, down_t = torch.cat([gate, up], 1), down  # [E, 2I, H], [E, H, I]
+    else:
+        gate_up, down_t = (
+            torch.cat([gate, up], 1).transpose(1, 2),
+            down.transpose(1, 2),
+        )  # [E, H, 2I], [E, I, H]
+    tensors = {
+        "model.layers.1.mlp.experts.gate_up_proj": gate_up.bfloat16(),
+        "model.layers.1.mlp.experts.down_proj": down_t.bfloat16(),
+    }
+    path = write_checkpoint(tmp_path / "fused", qwen_config(num_hidden_layers=2, hidden_size=hidden), tensors)
+    check_layer(path, 1, (gate, up, down))
+
+
+def test_sharded_with_language_model_prefix(tmp_path):
+    weights = make_weights(E, I, H, seed=7)
+    tensors = per_expert(QWEN, 1, weights, prefix="language_model.")
+    cfg = {"model_type": "some_vlm", "text_config": qwen_config(num_hidden_layers=2)}
+    path = write_checkpoint(tmp_path / "vlm", cfg, tensors, shards=3)
+    check_layer(path, 1, weights)
+
+
+def test_checkpoint_errors(tmp_path):
+    with pytest.raises(CheckpointError, match="config.json does not exist"):
+        Checkpoint(tmp_path)
+    weights = make_weights(E, I, H, seed=8)
+    good = per_expert(QWEN, 1, weights)
+    path = write_checkpoint(tmp_path / "sharded", qwen_config(num_hidden_layers=2), good, shards=2)
+    (path / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(
+        CheckpointError, match="names shard model-00002-of-00002.safetensors, which is missing"
+    ):
+        Checkpoint(path)
+    path = write_checkpoint(tmp_path / "truncated", qwen_config(num_hidden_layers=2), good)
+    data = (path / "model.safetensors").read_bytes()
+    (path / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="truncated or not safetensors"):
+        Checkpoint(path)
+    bad = dict(good)
+    bad[QWEN["down"].format(layer=1, expert=5)] = torch.zeros(H, I + 1).bfloat16()
+    path = write_checkpoint(tmp_path / "shape", qwen_config(num_hidden_layers=2), bad)
+    with pytest.raises(
+        CheckpointError, match=r"experts.5.down_proj.weight in model.safetensors has shape \[256, 129\]"
+    ):
+        KTMoEWrapper(1, E, K, H, I, None, 2, 1, weight_path=str(path), method="BF16").load_weights()
+    path = write_checkpoint(tmp_path / "other", qwen_config(num_hidden_layers=2, hidden_size=512), good)
+    with pytest.raises(CheckpointError, match="hidden_size is 512; this layer was built with 256"):
+        KTMoEWrapper(1, E, K, H, I, None, 2, 1, weight_path=str(path), method="BF16").load_weights()
+    path = write_checkpoint(tmp_path / "llama", {"model_type": "llama"}, good)
+    with pytest.raises(ValueError, match="model_type 'llama' is not a supported MoE family"):
+        Checkpoint(path)
+    with pytest.raises(ValueError, match="load_weights needs weight_path"):
+        KTMoEWrapper(1, E, K, H, I, None, 2, 1, method="BF16").load_weights()
