@@ -190,36 +190,73 @@ class KTMoEWrapper:
         self._layer.load_canonical(ptrs["gate"], ptrs["up"], ptrs["down"])
 
     def load_weights(self, physical_to_logical_map: torch.Tensor | list[int] | None = None) -> None:
-        """Loads this layer's experts from ``weight_path``, a Hugging Face checkpoint directory
-        (bf16 / fp16 / fp32 / FP8 with block scales), quantizing them to ``method`` on load.
+        """Loads this layer's experts from ``weight_path``: a canonical directory written by
+        ``kt-sglang convert-cpu``, or the Hugging Face checkpoint itself (bf16 / fp16 / fp32 / FP8 with
+        block scales), quantized to ``method`` on load.
 
         Slot e takes checkpoint expert ``physical_to_logical_map[e]`` (identity by default); only the
         experts named are read.
         """
-        from kt_sglang.weights.checkpoint import CheckpointError, open_checkpoint
+        from kt_sglang.weights.canonical_files import is_canonical_dir
 
         if not self.weight_path:
             raise ValueError("load_weights needs weight_path; use load_weights_from_tensors for tensors")
-        ckpt = open_checkpoint(self.weight_path)
-        spec = ckpt.spec
+        if is_canonical_dir(self.weight_path):
+            self._load_canonical_dir(physical_to_logical_map)
+        else:
+            self._load_hf_checkpoint(physical_to_logical_map)
+
+    def _check_model(self, where: str, hidden: int, inter: int, experts: int, mapped: bool) -> None:
+        from kt_sglang.weights.checkpoint import CheckpointError
+
         for name, ours, theirs in (
-            ("hidden_size", self.hidden_size, spec.hidden_size),
-            ("moe_intermediate_size", self.moe_intermediate_size, spec.intermediate_size),
+            ("hidden_size", self.hidden_size, hidden),
+            ("moe_intermediate_size", self.moe_intermediate_size, inter),
         ):
             if ours != theirs:
-                raise CheckpointError(
-                    f"{ckpt.path / 'config.json'}: {name} is {theirs}; this layer was built with {ours}"
-                )
-        slots = self._slot_map(physical_to_logical_map, spec.num_experts) or list(range(self.num_experts))
-        if physical_to_logical_map is None and spec.num_experts != self.num_experts:
+                raise CheckpointError(f"{where}: {name} is {theirs}; this layer was built with {ours}")
+        if not mapped and experts != self.num_experts:
             raise CheckpointError(
-                f"{ckpt.path / 'config.json'}: the model has {spec.num_experts} experts, this layer "
-                f"{self.num_experts}; pass physical_to_logical_map"
+                f"{where}: the model has {experts} experts, this layer {self.num_experts}; "
+                "pass physical_to_logical_map"
             )
+
+    def _load_hf_checkpoint(self, physical_to_logical_map) -> None:
+        from kt_sglang.weights.checkpoint import open_checkpoint
+
+        ckpt = open_checkpoint(self.weight_path)
+        spec = ckpt.spec
+        mapped = physical_to_logical_map is not None
+        self._check_model(
+            str(ckpt.path / "config.json"), spec.hidden_size, spec.intermediate_size, spec.num_experts, mapped
+        )
+        slots = self._slot_map(physical_to_logical_map, spec.num_experts) or list(range(self.num_experts))
         needed = sorted(set(slots))
         gate, up, down = ckpt.layer_experts(self.layer_idx, needed)
         position = {e: i for i, e in enumerate(needed)}
         self.load_weights_from_tensors(gate, up, down, [position[e] for e in slots])
+
+    def _load_canonical_dir(self, physical_to_logical_map) -> None:
+        from pathlib import Path
+
+        from kt_sglang.weights.canonical_files import MANIFEST, Manifest, read_layer
+        from kt_sglang.weights.checkpoint import CheckpointError
+
+        directory = Path(self.weight_path)
+        m = Manifest.read(directory)
+        where = str(directory / MANIFEST)
+        if m.method != self.method.value or m.group_size != self.group_size:
+            raise CheckpointError(
+                f"{where}: converted for {m.method} group {m.group_size}; this layer uses "
+                f"{self.method.value} group {self.group_size} (convert again or change --kt-method)"
+            )
+        mapped = physical_to_logical_map is not None
+        self._check_model(where, m.hidden_size, m.intermediate_size, m.num_experts, mapped)
+        slots = self._slot_map(physical_to_logical_map, m.num_experts) or list(range(self.num_experts))
+        needed = sorted(set(slots))
+        mats = read_layer(directory, m, self.layer_idx, needed)
+        position = {e: i for i, e in enumerate(needed)}
+        self.load_canonical(*([mats[p][position[e]] for e in slots] for p in ("gate", "up", "down")))
 
     def _slot_map(self, physical_to_logical_map, source_experts: int) -> list[int]:
         if physical_to_logical_map is None:

@@ -190,6 +190,19 @@ class Checkpoint:
             mats.append(w)
         return torch.stack(mats) if mats else torch.empty(0, *shape)
 
+    def expert_tensor_names(self) -> list[str]:
+        """Names of every expert tensor in the checkpoint (records which checkpoint a conversion used)."""
+        return sorted(name for name in self._files if ".experts." in name)
+
+    def expert_dtype(self, layer: int) -> torch.dtype:
+        """The stored dtype of the layer's expert weights (before any dequantization)."""
+        fam = self.family
+        name = self._resolve(fam.experts["gate"], layer=layer, expert=0) if fam.experts else None
+        name = name or self._resolve(fam.fused_experts.get("gate_up", ""), layer=layer)
+        if name is None:
+            raise CheckpointError(f"layer {layer}: no expert tensors in {self.path}")
+        return self.tensor(name).dtype  # memory-mapped: reading one tensor's dtype is cheap
+
     def _fused_experts(self, layer: int, ids: list[int]):
         fam, spec = self.family, self.spec
         I, H, E = spec.intermediate_size, spec.hidden_size, spec.num_experts

@@ -1,0 +1,149 @@
+"""`kt-sglang convert-cpu`: quantize a checkpoint's experts once into the canonical CPU format.
+
+Streams layer by layer (peak memory: one layer's experts plus its output), writes each layer under a
+temporary name and renames it, and on a rerun (or with --resume-layer) skips the layers already
+complete after checking them. The flags are kt-kernel's, so existing commands carry over.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from kt_sglang.engine.canonical import quantize
+from kt_sglang.engine.methods import Method, resolve_group
+from kt_sglang.weights.canonical_files import (
+    MANIFEST,
+    Manifest,
+    dtype_name,
+    layer_is_complete,
+    sha256_text,
+    write_layer,
+)
+from kt_sglang.weights.checkpoint import Checkpoint, CheckpointError
+
+METHODS = {"int4": Method.AMXINT4, "int8": Method.AMXINT8}
+INPUT_TYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.float8_e4m3fn}
+
+
+def build_parser(prog: str = "kt-sglang convert-cpu") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
+    p.add_argument("--input-path", required=True, help="Hugging Face model directory")
+    p.add_argument(
+        "--input-type", required=True, choices=sorted(INPUT_TYPES), help="dtype of the expert tensors"
+    )
+    p.add_argument("--output", required=True, help="output directory (canonical format)")
+    p.add_argument(
+        "--quant-method", required=True, choices=sorted(METHODS), help="int4 (AMXINT4) or int8 (AMXINT8)"
+    )
+    p.add_argument(
+        "--group-size", type=int, default=None, help="quantization group (32, 64, 128; default 64)"
+    )
+    p.add_argument(
+        "--cpuinfer-threads", type=int, default=None, help="threads quantizing (default: all cores)"
+    )
+    p.add_argument(
+        "--threadpool-count",
+        type=int,
+        default=1,
+        help="accepted for kt-kernel compatibility; the output does not depend on NUMA "
+        "(the engine repacks per node at load)",
+    )
+    p.add_argument(
+        "--no-merge-safetensor",
+        action="store_true",
+        help="accepted for kt-kernel compatibility; the output is always one file per layer, "
+        "which loads as is",
+    )
+    p.add_argument(
+        "--resume-layer", type=int, default=None, help="start at this layer (earlier ones are checked)"
+    )
+    return p
+
+
+def convert(args: argparse.Namespace) -> Path:
+    from kt_sglang.engine.pools import physical_cores
+
+    ckpt = Checkpoint(args.input_path)
+    spec = ckpt.spec
+    method = METHODS[args.quant_method]
+    group = resolve_group(method, args.group_size)
+    first = spec.moe_layers[0] if spec.moe_layers else None
+    if first is None:
+        raise CheckpointError(f"{args.input_path} has no MoE layers")
+    found = ckpt.expert_dtype(first)
+    if found != INPUT_TYPES[args.input_type]:
+        raise CheckpointError(
+            f"--input-type {args.input_type} does not match the checkpoint: "
+            f"its experts are {dtype_name(found)}"
+        )
+    layers = list(spec.moe_layers)
+    if args.resume_layer is not None:
+        if args.resume_layer > layers[-1]:
+            raise ValueError(f"--resume-layer {args.resume_layer} is past the last MoE layer ({layers[-1]})")
+        layers = [layer for layer in layers if layer >= args.resume_layer]
+    config_text = (ckpt.path / "config.json").read_text()
+    manifest = Manifest(
+        method=method.value,
+        group_size=group,
+        model_type=str(ckpt.config.get("model_type")),
+        num_layers=spec.num_layers,
+        moe_layers=list(spec.moe_layers),
+        num_experts=spec.num_experts,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        source_dtype=args.input_type,
+        source_config_sha256=sha256_text(config_text),
+        source_tensors_sha256=sha256_text("\n".join(ckpt.expert_tensor_names())),
+    )
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    if (out / MANIFEST).is_file():
+        existing = Manifest.read(out)
+        if existing != manifest:
+            raise ValueError(
+                f"{out} holds a conversion of another model or method ({existing.model_type}, "
+                f"{existing.method} group {existing.group_size}); use an empty output directory"
+            )
+    else:
+        manifest.write(out)
+    threads = args.cpuinfer_threads or physical_cores()
+    todo = [layer for layer in layers if not layer_is_complete(out, manifest, layer)]
+    skipped = len(layers) - len(todo)
+    bar = tqdm(total=len(todo) * spec.num_experts, unit="expert", desc="convert-cpu", dynamic_ncols=True)
+    written = 0
+    with ThreadPoolExecutor(max_workers=threads) as pool:  # the native quantizer releases the GIL
+        for layer in todo:
+            bar.set_postfix_str(
+                f"layer {layer}, {written / 2**30:.2f} GiB written, {skipped} complete before"
+            )
+            gate, up, down = ckpt.layer_experts(layer)
+
+            def one(e: int, gate=gate, up=up, down=down) -> dict:
+                mats = {
+                    p: quantize(method, w[e], group) for p, w in (("gate", gate), ("up", up), ("down", down))
+                }
+                bar.update(1)
+                return mats
+
+            experts = list(pool.map(one, range(spec.num_experts)))
+            written += write_layer(out, manifest, layer, experts).stat().st_size
+            del gate, up, down, experts
+    bar.close()
+    print(f"wrote {out} ({len(todo)} layers converted, {skipped} already complete)")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        convert(args)
+    except (CheckpointError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
