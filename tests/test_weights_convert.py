@@ -110,3 +110,93 @@ def test_converter_errors(tmp_path, checkpoint):
         "int8",
     )
     assert r.returncode == 2 and "config.json does not exist" in r.stderr
+
+
+def test_canonical_dir_with_physical_map(tmp_path, checkpoint):
+    out = tmp_path / "cpu"
+    assert (
+        convert(
+            "--input-path",
+            str(checkpoint),
+            "--input-type",
+            "bf16",
+            "--output",
+            str(out),
+            "--quant-method",
+            "int8",
+        ).returncode
+        == 0
+    )
+    slots = [5, 5, 0, 7]
+    x = make_hidden(12, H)
+    ids, wts = make_routing(12, 4, K)
+    outputs = []
+    for path in (checkpoint, out):
+        w = KTMoEWrapper(1, 4, K, H, I, None, 2, 1, weight_path=str(path), method="AMXINT8")
+        w.load_weights(slots)
+        outputs.append(w.forward(x, ids, wts))
+    assert torch.equal(outputs[0], outputs[1])
+
+
+def _rss_anon_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1])
+    return 0
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc to read memory use")
+def test_killed_mid_run_then_rerun_is_identical_and_memory_streams(tmp_path):
+    """A multi-layer model: kill the converter after its first layer, rerun, compare; peak memory
+    (anonymous RSS, polled) stays near one layer's experts, not the model's."""
+    import time
+
+    n_layers, e, i, h = 6, 16, 256, 1024
+    tensors = {}
+    for layer in range(1, n_layers + 1):
+        tensors.update(per_expert(QWEN, layer, make_weights(e, i, h, seed=layer)))
+    cfg = qwen_config(num_experts=e, moe_intermediate_size=i, hidden_size=h, num_hidden_layers=n_layers + 1)
+    ckpt = write_checkpoint(tmp_path / "big", cfg, tensors)
+    layer_bytes = 3 * e * i * h * 2
+    exe = shutil.which("kt-sglang", path=os.path.dirname(sys.executable))
+    base = [
+        exe,
+        "convert-cpu",
+        "--input-path",
+        str(ckpt),
+        "--input-type",
+        "bf16",
+        "--quant-method",
+        "int4",
+        "--cpuinfer-threads",
+        "1",
+    ]
+    whole = tmp_path / "whole"
+    proc = subprocess.Popen([*base, "--output", str(whole)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    samples = []
+    while proc.poll() is None:
+        samples.append(_rss_anon_kib(proc.pid) * 1024)
+        time.sleep(0.01)
+    assert proc.returncode == 0
+    probe = (
+        "import kt_sglang.weights.convert_cpu, re;"
+        "print(re.search(r'RssAnon:\\s+(\\d+)', open('/proc/self/status').read()).group(1))"
+    )
+    idle = subprocess.run(
+        [sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    baseline = int(idle.stdout.strip()) * 1024  # the converter's imports, before any weights
+    assert max(samples) - baseline < 3 * layer_bytes, (max(samples), baseline, layer_bytes)
+
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(
+        [*base, "--output", str(killed)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    while proc.poll() is None and not (killed / "layer-00001.safetensors").exists():
+        time.sleep(0.005)
+    proc.kill()
+    proc.wait()
+    assert len(list(killed.glob("layer-*.safetensors"))) < n_layers  # it really stopped early
+    r = subprocess.run([*base, "--output", str(killed)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0
+    assert {k: v for k, v in digest(killed).items() if not k.endswith(".tmp")} == digest(whole)
