@@ -4,12 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from kt_sglang.weights.convert_cpu import build_parser, convert
+from kt_sglang.weights.convert_cpu import main
 
 if __name__ == "__main__":
-    args = build_parser("python -m kt_sglang.convert_cpu").parse_args()
-    try:
-        convert(args)
-    except ValueError as exc:  # CheckpointError is a ValueError
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    sys.exit(main(prog="python -m kt_sglang.convert_cpu"))

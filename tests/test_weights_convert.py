@@ -186,7 +186,8 @@ def test_killed_mid_run_then_rerun_is_identical_and_memory_streams(tmp_path):
         [sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=120
     )
     baseline = int(idle.stdout.strip()) * 1024  # the converter's imports, before any weights
-    assert max(samples) - baseline < 3 * layer_bytes, (max(samples), baseline, layer_bytes)
+    # Measured ~1.6 layers (a layer in flight, its output, allocator slack); the model is 6 layers.
+    assert max(samples) - baseline < 2 * layer_bytes, (max(samples), baseline, layer_bytes)
 
     killed = tmp_path / "killed"
     proc = subprocess.Popen(
@@ -200,3 +201,40 @@ def test_killed_mid_run_then_rerun_is_identical_and_memory_streams(tmp_path):
     r = subprocess.run([*base, "--output", str(killed)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0
     assert {k: v for k, v in digest(killed).items() if not k.endswith(".tmp")} == digest(whole)
+
+
+def test_disk_full_leaves_nothing_partial(tmp_path, checkpoint, monkeypatch):
+    """A write that fails (disk full) is a clear error, and no file with a final name appears."""
+    import errno
+
+    import kt_sglang.weights.canonical_files as files
+    from kt_sglang.weights.convert_cpu import build_parser, main
+
+    real_save = files.save_file
+    calls = []
+
+    def save_then_fail(tensors, path, metadata=None):
+        calls.append(path)
+        if len(calls) == 2:  # the second layer: write half a file, then run out of space
+            Path(path).write_bytes(b"partial")
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_save(tensors, path, metadata=metadata)
+
+    monkeypatch.setattr(files, "save_file", save_then_fail)
+    out = tmp_path / "full"
+    argv = [
+        "--input-path",
+        str(checkpoint),
+        "--input-type",
+        "bf16",
+        "--output",
+        str(out),
+        "--quant-method",
+        "int4",
+    ]
+    assert build_parser().parse_args(argv).output == str(out)
+    assert main(argv) == 2
+    assert sorted(p.name for p in out.iterdir()) == ["kt_weights.json", "layer-00001.safetensors"]
+    monkeypatch.setattr(files, "save_file", real_save)
+    assert main(argv) == 0  # resumes: only the missing layer is written
+    assert sorted(p.name for p in out.iterdir())[-1] == "layer-00002.safetensors"

@@ -98,8 +98,12 @@ def write_layer(
     metadata = {METADATA_KEY: json.dumps(header, sort_keys=True)}
     final = directory / layer_file(layer)
     tmp = directory / (layer_file(layer) + ".tmp")
-    save_file(tensors, str(tmp), metadata=metadata)
-    os.replace(tmp, final)
+    try:
+        save_file(tensors, str(tmp), metadata=metadata)
+        os.replace(tmp, final)
+    except OSError as exc:  # disk full, permissions: leave nothing that looks written
+        tmp.unlink(missing_ok=True)
+        raise OSError(exc.errno, f"writing {final} failed ({exc.strerror or exc}); rerun to resume") from exc
     return final
 
 

@@ -174,6 +174,23 @@ class Checkpoint:
             return tuple(p.to(dtype).contiguous() for p in parts)
         return self._fused_experts(layer, ids)
 
+    def iter_experts(self, layer: int):
+        """Yields (gate [I, H], up [I, H], down [H, I]) expert by expert: the converter's streaming read,
+        which never holds a whole layer of per-expert checkpoints in memory."""
+        spec, fam = self.spec, self.family
+        I, H = spec.intermediate_size, spec.hidden_size
+        if not (fam.experts and self._resolve(fam.experts["gate"], layer=layer, expert=0)):
+            gate, up, down = self.layer_experts(layer)  # fused: the layer is one tensor anyway
+            yield from zip(gate, up, down, strict=True)
+            return
+        if layer not in spec.moe_layers:
+            self.layer_experts(layer, [])  # raises the error naming the MoE layers
+        for e in range(spec.num_experts):
+            yield tuple(
+                self._expert_stack(fam.experts[proj], layer, [e], shape)[0]
+                for proj, shape in (("gate", (I, H)), ("up", (I, H)), ("down", (H, I)))
+            )
+
     def _expert_stack(self, pattern: str, layer: int, ids: list[int], shape: tuple[int, int]) -> torch.Tensor:
         mats = []
         for e in ids:

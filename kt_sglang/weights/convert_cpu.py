@@ -8,6 +8,7 @@ complete after checking them. The flags are kt-kernel's, so existing commands ca
 from __future__ import annotations
 
 import argparse
+import collections
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -122,28 +123,35 @@ def convert(args: argparse.Namespace) -> Path:
             bar.set_postfix_str(
                 f"layer {layer}, {written / 2**30:.2f} GiB written, {skipped} complete before"
             )
-            gate, up, down = ckpt.layer_experts(layer)
 
-            def one(e: int, gate=gate, up=up, down=down) -> dict:
+            def one(weights: tuple) -> dict:
                 mats = {
-                    p: quantize(method, w[e], group) for p, w in (("gate", gate), ("up", up), ("down", down))
+                    p: quantize(method, w, group)
+                    for p, w in zip(("gate", "up", "down"), weights, strict=True)
                 }
                 bar.update(1)
                 return mats
 
-            experts = list(pool.map(one, range(spec.num_experts)))
+            # Experts stream through the pool, at most 2 per thread in flight besides the output
+            # (Executor.map would read the whole layer first).
+            experts, in_flight = [], collections.deque()
+            for weights in ckpt.iter_experts(layer):
+                in_flight.append(pool.submit(one, weights))
+                if len(in_flight) >= 2 * threads:
+                    experts.append(in_flight.popleft().result())
+            experts += [f.result() for f in in_flight]
             written += write_layer(out, manifest, layer, experts).stat().st_size
-            del gate, up, down, experts
+            del experts
     bar.close()
     print(f"wrote {out} ({len(todo)} layers converted, {skipped} already complete)")
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = "kt-sglang convert-cpu") -> int:
+    args = build_parser(prog).parse_args(argv)
     try:
         convert(args)
-    except (CheckpointError, ValueError) as exc:
+    except (ValueError, OSError) as exc:  # CheckpointError is a ValueError
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0
