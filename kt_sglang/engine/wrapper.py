@@ -43,7 +43,9 @@ class _Buffers:
 class KTMoEWrapper:
     """The CPU experts of one MoE layer.
 
-    Parameters follow kt-kernel's ``KTMoEWrapper`` so that only the import changes. Our extras:
+    Parameters follow kt-kernel's ``KTMoEWrapper`` so that only the import changes
+    (``cpu_save`` and ``max_deferred_experts_per_token`` are kept for callers; deferral belongs to the
+    hybrid layer, which reads them from here). Our extras:
     ``group_size`` (quantization group, default per method) and ``isa`` (kernel family; default
     ``KT_SGLANG_ISA`` or the best the CPU runs).
     """

@@ -353,9 +353,8 @@ void MoeLayer::forward_task(const ForwardArgs& args, const WorkerContext& ctx) {
     }
     ctx.barrier();
     if (ws.bad_routing) return;
-    const int64_t R = ws.offsets[E];
-    // Row r of expert e sits at padded row r - offsets[e] + padded_offsets[e].
-    auto expert_of_rows = [&](int e) { return ws.padded_offsets[e] - ws.offsets[e]; };
+    // Row r of expert e sits at padded row r + padding_before(e).
+    auto padding_before = [&](int e) { return ws.padded_offsets[e] - ws.offsets[e]; };
 
     // Phase 1: quantize each token's input once for all its experts; clear the partial sums.
     guarded([&] {
@@ -380,7 +379,7 @@ void MoeLayer::forward_task(const ForwardArgs& args, const WorkerContext& ctx) {
       for (int e : ws.active) {
         for (int64_t r = ws.offsets[e] + ctx.tid; r < ws.offsets[e + 1]; r += ctx.num_threads) {
           const int64_t t = ws.row_token[r];
-          uint8_t* dst = tiled_row(ws.x_rows.data(), r + expert_of_rows(e), Hp * elem);
+          uint8_t* dst = tiled_row(ws.x_rows.data(), r + padding_before(e), Hp * elem);
           if (quantized) {
             store_tiled(dst, 0, ws.x_q.data() + t * Hp, Hp);
           } else {
@@ -408,7 +407,7 @@ void MoeLayer::forward_task(const ForwardArgs& args, const WorkerContext& ctx) {
                          const uint8_t* panels, int npan, float* c, int64_t ldc) {
       for (int i = 0; i < m; ++i) {
         const int64_t r = r0 + i;
-        ptr_a[i] = tiled_row(const_cast<uint8_t*>(rows_base), r + expert_of_rows(e), row_bytes);
+        ptr_a[i] = tiled_row(const_cast<uint8_t*>(rows_base), r + padding_before(e), row_bytes);
         if (quantized) {
           ptr_s[i] = scales + (sums ? r : ws.row_token[r]) * groups_per_row;
           ptr_m[i] = (sums ? sums : ws.x_sum.data()) + (sums ? r : ws.row_token[r]) * groups_per_row;
@@ -445,7 +444,7 @@ void MoeLayer::forward_task(const ForwardArgs& args, const WorkerContext& ctx) {
             const int64_t r = r0 + i;
             const float* cg = c_buf.data() + i * ldc;
             const float* cu = cg + Gh;
-            uint8_t* dst = tiled_row(ps.h_rows.data(), r + expert_of_rows(e), slice * elem);
+            uint8_t* dst = tiled_row(ps.h_rows.data(), r + padding_before(e), slice * elem);
             for (int j = 0; j < Gh; ++j) h_row[j] = silu(cg[j]) * cu[j];
             if (quantized) {
               quantize_activation_row(h_row.data(), Gh, G, h_q.data(),
@@ -507,7 +506,6 @@ void MoeLayer::forward_task(const ForwardArgs& args, const WorkerContext& ctx) {
         }
       }
     });
-    (void)R;
     ctx.barrier();
   }
 }
