@@ -15,17 +15,17 @@ def test_capture_sizes_and_reuse():
     KTMoEWrapper.set_capture_batch_sizes([4, 1, 2, 4])
     try:
         assert KTMoEWrapper.get_capture_batch_sizes() == [1, 2, 4]
-        assert sorted(layer._buffers) == [1, 2, 4]
-        ptrs = {b: layer._buffers[b].hidden.data_ptr() for b in (1, 2, 4)}
+        assert sorted(layer._sets[False].by_size) == [1, 2, 4]
+        ptrs = {b: layer._sets[False].by_size[b].hidden.data_ptr() for b in (1, 2, 4)}
         for T in (1, 2, 3, 4, 1):
             layer.forward(make_hidden(T, H), *make_routing(T, E, k))
-        assert {b: layer._buffers[b].hidden.data_ptr() for b in (1, 2, 4)} == ptrs
-        assert layer._spare is None  # 3 used the captured 4
+        assert {b: layer._sets[False].by_size[b].hidden.data_ptr() for b in (1, 2, 4)} == ptrs
+        assert layer._sets[False].spare is None  # 3 used the captured 4
         layer.forward(make_hidden(9, H), *make_routing(9, E, k))
-        spare = layer._spare.hidden.data_ptr()
+        spare = layer._sets[False].spare.hidden.data_ptr()
         layer.forward(make_hidden(7, H), *make_routing(7, E, k))
-        assert layer._spare.hidden.data_ptr() == spare  # one reusable buffer for other sizes
+        assert layer._sets[False].spare.hidden.data_ptr() == spare  # one reusable buffer for other sizes
     finally:
         KTMoEWrapper.clear_buffer_cache()
         KTMoEWrapper.set_capture_batch_sizes([])
-    assert layer._buffers == {} and layer._spare is None
+    assert all(b.by_size == {} and b.spare is None for b in layer._sets.values())

@@ -40,6 +40,14 @@ class _Buffers:
         return self.hidden.shape[0]
 
 
+@dataclass
+class _BufferSet:
+    """Buffers of one submission stream: one per captured batch size, one reusable for the rest."""
+
+    by_size: dict[int, _Buffers]
+    spare: _Buffers | None = None
+
+
 class KTMoEWrapper:
     """The CPU experts of one MoE layer.
 
@@ -113,9 +121,10 @@ class KTMoEWrapper:
             self.isa,
             chunked_prefill_size,
         )
-        self._buffers: dict[int, _Buffers] = {}
-        self._spare: _Buffers | None = None
-        self._pending: tuple[_Buffers, int] | None = None
+        # Two submission streams: the layer's immediate experts and its deferred ones (which run
+        # while the next layer computes), each with its own buffers and at most one pending task.
+        self._sets = {False: _BufferSet({}), True: _BufferSet({})}
+        self._pending: dict[bool, tuple[_Buffers, int, int]] = {}
         KTMoEWrapper._instances.add(self)
 
     # ----------------------------------------------------------------------------------------
@@ -295,12 +304,18 @@ class KTMoEWrapper:
         topk_ids: torch.Tensor,
         topk_weights: torch.Tensor,
         cuda_stream=None,
+        *,
+        deferred: bool = False,
     ) -> None:
-        """Copies the inputs to host buffers and enqueues the layer; returns at once."""
-        if self._pending is not None:
+        """Copies the inputs to host buffers and enqueues the layer; returns at once.
+
+        ``deferred=True`` uses a second stream of buffers, so a layer can have its deferred experts
+        pending while its immediate ones are submitted and synced.
+        """
+        if deferred in self._pending:
             raise RuntimeError(f"layer {self.layer_idx}: submit_forward called twice without sync_forward")
         T = self._check_inputs(hidden_states, topk_ids, topk_weights)
-        buf = self._buffers_for(T)
+        buf = self._buffers_for(T, deferred)
         buf.hidden[:T].copy_(hidden_states, non_blocking=cuda_stream is not None)
         buf.ids[:T].copy_(topk_ids, non_blocking=cuda_stream is not None)
         buf.weights[:T].copy_(topk_weights, non_blocking=cuda_stream is not None)
@@ -318,14 +333,15 @@ class KTMoEWrapper:
             buf.out.data_ptr(),
             False,
         )
-        self._pending = (buf, T, task)
+        self._pending[deferred] = (buf, T, task)
 
-    def sync_forward(self, hidden_states: torch.Tensor | None = None, cuda_stream=None) -> torch.Tensor:
+    def sync_forward(
+        self, hidden_states: torch.Tensor | None = None, cuda_stream=None, *, deferred: bool = False
+    ) -> torch.Tensor:
         """Waits for this layer's submitted forward and returns its output (on the input's device)."""
-        if self._pending is None:
+        if deferred not in self._pending:
             raise RuntimeError(f"layer {self.layer_idx}: sync_forward without submit_forward")
-        buf, T, task = self._pending
-        self._pending = None
+        buf, T, task = self._pending.pop(deferred)
         self._runner.wait(task)
         device = hidden_states.device if hidden_states is not None else torch.device("cpu")
         out = buf.out[:T]
@@ -371,15 +387,16 @@ class KTMoEWrapper:
             raise ValueError(f"gpu_experts_mask has shape {tuple(mask.shape)}; expected [{self.num_experts}]")
         return mask.to("cpu").contiguous()
 
-    def _buffers_for(self, tokens: int) -> _Buffers:
-        buf = self._buffers.get(tokens)
+    def _buffers_for(self, tokens: int, deferred: bool = False) -> _Buffers:
+        bufs = self._sets[deferred]
+        buf = bufs.by_size.get(tokens)
         if buf is None:
-            for size in sorted(self._buffers):  # smallest captured size that fits
+            for size in sorted(bufs.by_size):  # smallest captured size that fits
                 if size >= tokens:
-                    return self._buffers[size]
-            if self._spare is None or self._spare.capacity < tokens:
-                self._spare = _Buffers.allocate(max(tokens, 1), self.hidden_size, self.num_experts_per_tok)
-            buf = self._spare
+                    return bufs.by_size[size]
+            if bufs.spare is None or bufs.spare.capacity < tokens:
+                bufs.spare = _Buffers.allocate(max(tokens, 1), self.hidden_size, self.num_experts_per_tok)
+            buf = bufs.spare
         return buf
 
     # ----------------------------------------------------------------------------------------
@@ -402,13 +419,13 @@ class KTMoEWrapper:
     @staticmethod
     def clear_buffer_cache() -> None:
         for w in KTMoEWrapper._instances:
-            w._buffers.clear()
-            w._spare = None
+            w._sets = {False: _BufferSet({}), True: _BufferSet({})}
 
     def _allocate_capture_buffers(self) -> None:
-        for size in KTMoEWrapper._capture_batch_sizes:
-            if size not in self._buffers:
-                self._buffers[size] = _Buffers.allocate(size, self.hidden_size, self.num_experts_per_tok)
+        for bufs in self._sets.values():
+            for size in KTMoEWrapper._capture_batch_sizes:
+                if size not in bufs.by_size:
+                    bufs.by_size[size] = _Buffers.allocate(size, self.hidden_size, self.num_experts_per_tok)
 
     # ----------------------------------------------------------------------------------------
 

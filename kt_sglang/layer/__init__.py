@@ -1,0 +1,7 @@
+"""The hybrid MoE layer: hot experts on the GPU (or the CPU device), cold ones on the CPU engine."""
+
+from __future__ import annotations
+
+from kt_sglang.layer.hybrid import DeferralChain, HybridMoELayer
+
+__all__ = ["DeferralChain", "HybridMoELayer"]

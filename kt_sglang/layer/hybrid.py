@@ -1,0 +1,101 @@
+"""One MoE layer split between hot experts (GPU slots) and the CPU engine, with deferred experts.
+
+out(L) = hot(L) + cold_now(L) + deferred(L_prev): the deferred cold experts of MoE layer L are
+submitted to the engine with layer L's input, run while the next MoE layer computes, and are added
+to that layer's output. Layers are linked explicitly (``next_moe``): dense layers may sit between
+MoE layers, and the last MoE layer defers nothing. A chain holds at most the one pending deferred
+task; a layer that is not its producer's successor (a new or aborted pass) drains it and drops it.
+
+This is the torch path (CPU device, or any device with host round trips); stream-ordered CUDA
+submission and graph capture build on the same split and chain.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kt_sglang.engine.wrapper import KTMoEWrapper
+from kt_sglang.kernels.hot_moe import hot_moe_torch
+from kt_sglang.kernels.split import split_routing_torch
+
+
+class DeferralChain:
+    """The pending deferred output of one model's MoE layers (two models never share one)."""
+
+    def __init__(self) -> None:
+        self._producer: HybridMoELayer | None = None
+
+    def put(self, producer: HybridMoELayer) -> None:
+        if self._producer is not None:
+            raise RuntimeError("a deferred task is already pending: take() it before putting another")
+        self._producer = producer
+
+    def drop_stale(self, consumer: HybridMoELayer) -> None:
+        """Drains and drops a pending task that ``consumer`` must not add (a new or aborted pass)."""
+        if self._producer is not None and self._producer.next_moe is not consumer:
+            self._producer.experts.sync_forward(deferred=True)
+            self._producer = None
+
+    def take(self, consumer: HybridMoELayer) -> torch.Tensor | None:
+        """The pending deferred output if ``consumer`` follows its producer; drained either way."""
+        self.drop_stale(consumer)
+        producer, self._producer = self._producer, None
+        return producer.experts.sync_forward(deferred=True) if producer is not None else None
+
+
+class HybridMoELayer(torch.nn.Module):
+    """experts: the CPU engine's layer (all experts loaded); gpu_slot_of ``[E]``: the GPU slot of
+    each hot expert, -1 for cold ones; w13 ``[S, 2I, H]`` / w2 ``[S, H, I]``: the hot experts' weights
+    by slot; chain: shared by the model's MoE layers."""
+
+    def __init__(
+        self,
+        experts: KTMoEWrapper,
+        gpu_slot_of: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        chain: DeferralChain,
+        max_deferred_experts_per_token: int = 0,
+    ) -> None:
+        super().__init__()
+        E, k = experts.num_experts, experts.num_experts_per_tok
+        if tuple(gpu_slot_of.shape) != (E,):
+            raise ValueError(f"gpu_slot_of has shape {tuple(gpu_slot_of.shape)}; expected [{E}]")
+        slots = int((gpu_slot_of >= 0).sum())
+        if w13.shape[0] < slots or w2.shape[0] < slots:
+            raise ValueError(f"{slots} hot experts but w13 / w2 hold {w13.shape[0]} / {w2.shape[0]} slots")
+        if not 0 <= max_deferred_experts_per_token < max(k, 1):
+            raise ValueError(f"max_deferred_experts_per_token must be in [0, {k - 1}]")
+        self.experts = experts
+        self.register_buffer("gpu_slot_of", gpu_slot_of.to(torch.int64), persistent=False)
+        self.w13, self.w2 = w13, w2
+        self.chain = chain
+        self.max_deferred = max_deferred_experts_per_token
+        self.next_moe: HybridMoELayer | None = None  # set by link()
+
+    @staticmethod
+    def link(layers: list[HybridMoELayer]) -> None:
+        """Declares the MoE layers of one model in order; the last one defers nothing."""
+        for a, b in zip(layers, layers[1:], strict=False):
+            a.next_moe = b
+        if layers:
+            layers[-1].next_moe = None
+
+    def forward(
+        self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> torch.Tensor:
+        self.chain.drop_stale(self)  # before our own deferred submission reuses the buffers
+        max_deferred = self.max_deferred if self.next_moe is not None else 0
+        split = split_routing_torch(topk_ids, topk_weights, self.gpu_slot_of, max_deferred)
+        self.experts.submit_forward(hidden, split.cold_ids, topk_weights)
+        defer = max_deferred > 0 and bool((split.deferred_ids >= 0).any())
+        if defer:
+            self.experts.submit_forward(hidden, split.deferred_ids, topk_weights, deferred=True)
+        out = hot_moe_torch(hidden, self.w13, self.w2, split.hot_ids, topk_weights)
+        out += self.experts.sync_forward(hidden).float()
+        previous = self.chain.take(self)
+        if previous is not None:
+            out += previous.float()
+        if defer:
+            self.chain.put(self)
+        return out.to(hidden.dtype)
