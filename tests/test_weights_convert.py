@@ -20,6 +20,19 @@ from kt_sglang.weights.checkpoint import CheckpointError
 E, K, H, I = 8, 2, 256, 128
 
 
+def convert_args(checkpoint: Path, out: Path, quant: str) -> list[str]:
+    return [
+        "--input-path",
+        str(checkpoint),
+        "--input-type",
+        "bf16",
+        "--output",
+        str(out),
+        "--quant-method",
+        quant,
+    ]
+
+
 def convert(*args: str) -> subprocess.CompletedProcess:
     exe = shutil.which("kt-sglang", path=os.path.dirname(sys.executable))
     return subprocess.run([exe, "convert-cpu", *args], capture_output=True, text=True, timeout=300)
@@ -114,19 +127,7 @@ def test_converter_errors(tmp_path, checkpoint):
 
 def test_canonical_dir_with_physical_map(tmp_path, checkpoint):
     out = tmp_path / "cpu"
-    assert (
-        convert(
-            "--input-path",
-            str(checkpoint),
-            "--input-type",
-            "bf16",
-            "--output",
-            str(out),
-            "--quant-method",
-            "int8",
-        ).returncode
-        == 0
-    )
+    assert convert(*convert_args(checkpoint, out, "int8")).returncode == 0
     slots = [5, 5, 0, 7]
     x = make_hidden(12, H)
     ids, wts = make_routing(12, 4, K)
@@ -222,16 +223,7 @@ def test_disk_full_leaves_nothing_partial(tmp_path, checkpoint, monkeypatch):
 
     monkeypatch.setattr(files, "save_file", save_then_fail)
     out = tmp_path / "full"
-    argv = [
-        "--input-path",
-        str(checkpoint),
-        "--input-type",
-        "bf16",
-        "--output",
-        str(out),
-        "--quant-method",
-        "int4",
-    ]
+    argv = convert_args(checkpoint, out, "int4")
     assert build_parser().parse_args(argv).output == str(out)
     assert main(argv) == 2
     assert sorted(p.name for p in out.iterdir()) == ["kt_weights.json", "layer-00001.safetensors"]
