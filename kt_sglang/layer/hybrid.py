@@ -81,6 +81,12 @@ class HybridMoELayer(torch.nn.Module):
         if layers:
             layers[-1].next_moe = None
 
+    def hot_forward(
+        self, hidden: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """The hot experts' fp32 output; a serving framework overrides this with its GPU kernels."""
+        return hot_moe_torch(hidden, self.w13, self.w2, slot_ids, weights)
+
     def forward(
         self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
@@ -91,7 +97,7 @@ class HybridMoELayer(torch.nn.Module):
         defer = max_deferred > 0 and bool((split.deferred_ids >= 0).any())
         if defer:
             self.experts.submit_forward(hidden, split.deferred_ids, topk_weights, deferred=True)
-        out = hot_moe_torch(hidden, self.w13, self.w2, split.hot_ids, topk_weights)
+        out = self.hot_forward(hidden, split.hot_ids, topk_weights)
         out += self.experts.sync_forward(hidden).float()
         previous = self.chain.take(self)
         if previous is not None:

@@ -1,0 +1,113 @@
+"""The hook functions `register()` installs into SGLang."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from kt_sglang.sglang.settings import (
+    CPU_DEVICE_ENV_VAR,
+    KtSettings,
+    KtSettingsError,
+    extra_help,
+    resolve,
+    split_argv,
+)
+
+logger = logging.getLogger("kt_sglang")
+
+
+def prepare_server_args(original, argv: list[str]):
+    """Our flags out of argv, SGLang parses the rest; then every `--kt-*` setting is resolved and
+    checked. A wrong flag stops the launcher with one message (exit code 2), before any worker starts."""
+    extra, rest = split_argv(list(argv))
+    if "-h" in rest or "--help" in rest:
+        print(extra_help())
+    server_args = original(rest)
+    try:
+        settings = resolve(server_args, extra, list(argv))
+    except KtSettingsError as exc:
+        print(f"kt-sglang: error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    if settings is not None:
+        settings.to_env()
+    if server_args.device == "cpu":
+        os.environ[CPU_DEVICE_ENV_VAR] = "1"
+        enable_cpu_rotary()
+    return server_args
+
+
+def weight_loader_impl(original, layer, *args, **kwargs):
+    """Checkpoint expert id -> GPU slot for our layers; cold experts are not loaded on the GPU."""
+    from kt_sglang.sglang.method import KTEPWrapperMethod
+
+    method = layer.quant_method
+    if not isinstance(method, KTEPWrapperMethod):
+        return original(layer, *args, **kwargs)
+    names = ("param", "loaded_weight", "weight_name", "shard_id", "expert_id")
+    bound = dict(zip(names, args, strict=False)) | kwargs
+    slot = method.gpu_slot(int(bound["expert_id"]))
+    if slot < 0:
+        return None
+    bound["expert_id"] = slot
+    return original(layer, **bound)
+
+
+def after_load_model(result, model_runner, *args, **kwargs):
+    """Attaches and links the MoE layers of the model just loaded; fails loudly if SGLang built
+    upstream's wrapper (or none) while CPU experts were asked for."""
+    from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
+
+    from kt_sglang.engine.native import _native
+    from kt_sglang.layer.hybrid import DeferralChain, HybridMoELayer
+    from kt_sglang.sglang.method import KTEPWrapperMethod
+
+    settings = KtSettings.from_env()
+    moe = [m for m in model_runner.model.modules() if isinstance(m, FusedMoE)]
+    ours = sorted((m for m in moe if isinstance(m.quant_method, KTEPWrapperMethod)), key=lambda m: m.layer_id)
+    if settings is None:
+        return result
+    if not ours or len(ours) != len(moe):
+        kinds = sorted({type(m.quant_method).__module__ + "." + type(m.quant_method).__name__ for m in moe})
+        raise RuntimeError(
+            f"kt-sglang: --kt-weight-path is set but SGLang built {kinds or 'no FusedMoE layer'} for the "
+            "model's MoE layers, not kt-sglang's KTEPWrapperMethod: is the plugin disabled (SGLANG_PLUGINS)?"
+        )
+    chain = DeferralChain()  # one per model: a draft model gets its own
+    for m in ours:
+        m.quant_method.attach(m, chain)
+    HybridMoELayer.link([m.quant_method.hybrid for m in ours if m.quant_method.hybrid is not None])
+    hot = [m.quant_method.num_hot for m in ours]
+    logger.info(
+        "kt-sglang: CPU experts on, method %s, %d threads in %d pool(s), ISA %s, "
+        "hot experts per MoE layer %s (%s placement), deferred per token %d, %d MoE layers",
+        settings.method,
+        settings.cpuinfer,
+        settings.threadpool_count,
+        _native.selected_isa(),
+        hot if len(set(hot)) > 1 else hot[0],
+        settings.placement_strategy,
+        settings.max_deferred_experts_per_token,
+        len(ours),
+    )
+    return result
+
+
+def connect_cuda_graph_batch_sizes() -> None:
+    """SGLang's decode graph runner hands its capture sizes to `KTMoEWrapper` when it can import
+    one; give it ours, so pinned buffers exist for every captured batch size."""
+    from sglang.srt.model_executor.runner import decode_cuda_graph_runner as runner
+
+    from kt_sglang.engine.wrapper import KTMoEWrapper
+
+    runner.KTMoEWrapper = KTMoEWrapper
+    runner.KTRANSFORMERS_AVAILABLE = True
+
+
+def enable_cpu_rotary() -> None:
+    """With --device cpu and no CPU platform package, SGLang's rotary embedding reaches for vLLM's
+    custom op; its CPU flag selects the torch implementation (patches/0001-rotary-cpu-flag.diff)."""
+    from sglang.srt.layers.rotary_embedding import base
+
+    base._is_cpu = True

@@ -1,0 +1,235 @@
+"""`KTEPWrapperMethod`: SGLang's MoE method for FusedMoE layers with CPU experts, on our engine.
+
+It REPLACEs `sglang.srt.layers.moe.kt_ep_wrapper.KTEPWrapperMethod` (same name: SGLang's loader
+checks the class name) with the same constructor `(gpu_method, kt_config)`. The hot experts of the
+layer (any placement, not only ids 0..N-1) live in GPU slots of the wrapped method's weights; all
+experts live in the CPU engine, which computes the cold ones. The forward is the standalone
+`HybridMoELayer`, whose hot path here is SGLang's GPU method (or, with `--device cpu`, the layer's
+masked torch path: SGLang's CPU fallback crashes on -1 expert ids).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from sglang.srt.layers.quantization.base_config import FusedMoEMethodBase
+
+from kt_sglang.engine.wrapper import KTMoEWrapper
+from kt_sglang.layer.hybrid import DeferralChain, HybridMoELayer
+from kt_sglang.placement import PlacementStats, StatsRecorder, plan_hot_experts, slot_map
+from kt_sglang.sglang.settings import KtSettings, model_facts
+
+logger = logging.getLogger("kt_sglang")
+
+_recorder: StatsRecorder | None = None  # one per worker process: the file is written as a whole
+
+
+def settings_for(kt_config) -> KtSettings:
+    """The launcher's resolved settings; for an embedded `sglang.Engine` (no launcher hook), the
+    upstream flags as SGLang holds them, with our defaults."""
+    settings = KtSettings.from_env()
+    if settings is not None:
+        return settings
+    return KtSettings(
+        weight_path=kt_config.weight_path,
+        method=kt_config.method,
+        cpuinfer=kt_config.cpuinfer_threads or 1,
+        threadpool_count=kt_config.threadpool_count,
+        num_gpu_experts=kt_config.num_gpu_experts,
+        gpu_experts_ratio=None,
+        max_deferred_experts_per_token=kt_config.max_deferred_experts_per_token or 0,
+        numa_nodes=None,
+        placement_strategy="uniform",
+        placement_stats=None,
+        record_placement_stats=None,
+    )
+
+
+def hot_experts_of_layer(settings: KtSettings, layer_idx: int, num_experts: int) -> list[int]:
+    from sglang.srt.runtime_context import get_server_args
+
+    facts = model_facts(get_server_args().model_path)
+    moe_layers = facts.moe_layers if facts is not None else [layer_idx]
+    if layer_idx not in moe_layers:
+        moe_layers = sorted({*moe_layers, layer_idx})
+    stats = PlacementStats.read(settings.placement_stats) if settings.placement_stats else None
+    plan = plan_hot_experts(
+        settings.placement_strategy,
+        moe_layers,
+        num_experts,
+        settings.total_hot(num_experts, len(moe_layers)),
+        stats,
+    )
+    return plan[layer_idx]
+
+
+class _SGLangHybridLayer(HybridMoELayer):
+    """The hybrid layer whose hot experts run through SGLang's wrapped GPU method."""
+
+    def __init__(self, method: KTEPWrapperMethod, fused_moe: torch.nn.Module, chain: DeferralChain) -> None:
+        super().__init__(
+            method.wrapper,
+            method.gpu_slot_of,
+            fused_moe.w13_weight if method.num_hot else torch.zeros(0),
+            fused_moe.w2_weight if method.num_hot else torch.zeros(0),
+            chain,
+            method.max_deferred,
+        )
+        self.method = method
+        self.fused_moe = fused_moe
+        self.dispatch_output = None  # set per call by the method
+
+    def hot_forward(
+        self, hidden: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        if self.method.num_hot == 0:
+            return torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+        if not hidden.is_cuda:
+            return super().hot_forward(hidden, slot_ids, weights)
+        topk = self.dispatch_output.topk_output
+        hot_topk = topk._replace(topk_ids=slot_ids.to(topk.topk_ids.dtype))
+        out = self.method.gpu_method.apply(
+            self.fused_moe, self.dispatch_output._replace(topk_output=hot_topk)
+        )
+        return out.hidden_states.float()
+
+
+class KTEPWrapperMethod(FusedMoEMethodBase):
+    """SGLang's MoE method for one FusedMoE layer: hot experts through ``gpu_method``, cold ones on
+    the CPU engine. Tensor parallelism is refused at startup (settings.py) until the CPU part runs on
+    rank 0 only, added before the all-reduce."""
+
+    def __init__(self, gpu_method: FusedMoEMethodBase, kt_config) -> None:
+        from sglang.srt.runtime_context import get_parallel
+
+        self.gpu_method = gpu_method
+        self.kt_config = kt_config
+        self.settings = settings_for(kt_config)
+        self.layer_idx = kt_config.layer_idx
+        self.tp_rank = get_parallel().tp_rank
+        self.wrapper: KTMoEWrapper | None = None
+        self.hybrid: _SGLangHybridLayer | None = None
+        self.hot_experts: list[int] = []
+        self.gpu_slot_of: torch.Tensor | None = None
+        self.num_hot = 0
+        # SGLang's loader drops experts with id >= num_gpu_experts unless it is -1: our placement
+        # decides instead (the _weight_loader_impl hook maps ids to slots).
+        self.num_gpu_experts = -1
+        self.max_deferred = self.settings.max_deferred_experts_per_token
+        self.override_num_local_experts = True
+        gpu_method.num_gpu_experts = 0
+
+    # -- weights ---------------------------------------------------------------------------
+
+    def create_weights(
+        self,
+        layer: torch.nn.Module,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size_per_partition: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs,
+    ) -> None:
+        self.global_num_experts = num_experts
+        self.hot_experts = hot_experts_of_layer(self.settings, self.layer_idx, num_experts)
+        self.gpu_slot_of = slot_map(self.hot_experts, num_experts)
+        self.num_hot = len(self.hot_experts)
+        self.gpu_method.num_gpu_experts = self.num_hot
+        self.gpu_method.create_weights(
+            layer=layer,
+            num_experts=self.num_hot,
+            hidden_size=hidden_size,
+            intermediate_size_per_partition=intermediate_size_per_partition,
+            params_dtype=params_dtype,
+            **extra_weight_attrs,
+        )
+        if self.tp_rank == 0:
+            s = self.settings
+            self.wrapper = KTMoEWrapper(
+                layer_idx=self.layer_idx,
+                num_experts=num_experts,
+                num_experts_per_tok=layer.top_k,
+                hidden_size=hidden_size,
+                moe_intermediate_size=layer.intermediate_size_per_partition * layer.moe_tp_size,
+                gpu_experts_mask=None,  # the split hands the engine cold ids only
+                cpuinfer_threads=s.cpuinfer,
+                threadpool_count=s.threadpool_count,
+                weight_path=s.weight_path,
+                chunked_prefill_size=self.kt_config.chunked_prefill_size or 4096,
+                max_deferred_experts_per_token=self.max_deferred,
+                method=s.method,
+                numa_nodes=s.numa_nodes,
+            )
+        if self.settings.record_placement_stats and self.tp_rank == 0:
+            global _recorder
+            if _recorder is None:
+                _recorder = StatsRecorder(self.settings.record_placement_stats, num_experts)
+
+    def gpu_slot(self, expert_id: int) -> int:
+        """The loader's checkpoint expert id -> its GPU slot, -1 when the expert is cold."""
+        return int(self.gpu_slot_of[expert_id]) if 0 <= expert_id < self.global_num_experts else -1
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        if hasattr(self.gpu_method, "process_weights_after_loading"):
+            self.gpu_method.process_weights_after_loading(layer)
+        if self.wrapper is None:
+            return
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        from sglang.srt.eplb.expert_location import get_global_expert_location_metadata
+
+        metadata = get_global_expert_location_metadata()
+        mapping = None
+        if metadata is not None:
+            mapping = metadata.physical_to_logical_map_cpu[self.layer_idx].contiguous()
+        self.wrapper.load_weights(mapping)
+
+    def attach(self, layer: torch.nn.Module, chain: DeferralChain) -> None:
+        """Builds the forward once the weights are final; the model's layers are then linked."""
+        if self.wrapper is not None:
+            self.hybrid = _SGLangHybridLayer(self, layer, chain)
+
+    # -- runner ----------------------------------------------------------------------------
+
+    def create_moe_runner(self, layer: torch.nn.Module, moe_runner_config) -> None:
+        self.moe_runner_config = moe_runner_config
+        moe_runner_config.num_local_experts = self.num_hot
+        # DeepSeek / GLM multiply the MoE output by routed_scaling_factor in the model when this
+        # wrapper is active: the GPU runner must not apply it a second time.
+        moe_runner_config.routed_scaling_factor = None
+        self.gpu_method.create_moe_runner(layer, moe_runner_config)
+
+    def get_moe_runner_backend(self, layer):
+        return self.gpu_method.get_moe_runner_backend(layer)
+
+    def get_moe_routing_method_type(self, layer, requested_method):
+        return self.gpu_method.get_moe_routing_method_type(layer, requested_method)
+
+    def apply(self, layer: torch.nn.Module, dispatch_output):
+        from sglang.srt.layers.moe.token_dispatcher import StandardCombineInput
+        from sglang.srt.layers.moe.topk import TopKOutputChecker
+
+        if self.moe_runner_config.activation != "silu":
+            raise NotImplementedError(
+                f"kt-sglang CPU experts compute gated SiLU; layer {self.layer_idx} uses "
+                f"{self.moe_runner_config.activation}"
+            )
+        if TopKOutputChecker.format_is_bypassed(dispatch_output.topk_output):
+            dispatch_output = dispatch_output._replace(topk_output=dispatch_output.topk_output.to_standard())
+        x = dispatch_output.hidden_states
+        topk = dispatch_output.topk_output
+        if self.hybrid is None:
+            raise RuntimeError(f"kt-sglang: MoE layer {self.layer_idx} ran before its weights were attached")
+        if _recorder is not None and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+            _recorder.add(self.layer_idx, topk.topk_ids)
+        self.hybrid.dispatch_output = dispatch_output
+        out = self.hybrid(x, topk.topk_ids, topk.topk_weights)
+        self.hybrid.dispatch_output = None
+        return StandardCombineInput(hidden_states=out)
+
+    def __getattr__(self, name: str):
+        # SGLang reads the wrapped method's attributes through the wrapper (as upstream's does).
+        if name in ("gpu_method", "wrapper", "kt_config", "settings", "hybrid"):
+            raise AttributeError(name)
+        return getattr(self.gpu_method, name)

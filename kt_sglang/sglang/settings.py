@@ -1,0 +1,251 @@
+"""The `--kt-*` settings: SGLang's own flags, ours, their defaults and their validation.
+
+SGLang declares `--kt-weight-path --kt-method --kt-cpuinfer --kt-threadpool-count
+--kt-num-gpu-experts --kt-max-deferred-experts-per-token` and validates none of them. Our extra
+flags are taken out of argv before SGLang parses it. Everything is resolved once, in the launcher,
+into one `KtSettings`, validated against the model and the machine, and handed to the worker
+processes through the environment (spawned workers inherit it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ENV_VAR = "KT_SGLANG_SETTINGS"
+CPU_DEVICE_ENV_VAR = "KT_SGLANG_CPU_DEVICE"  # set when SGLang serves with --device cpu
+
+
+class KtSettingsError(ValueError):
+    """A `--kt-*` flag is wrong; the message says which and what to change."""
+
+
+@dataclass(frozen=True)
+class KtSettings:
+    weight_path: str
+    method: str
+    cpuinfer: int
+    threadpool_count: int
+    num_gpu_experts: int | None  # per MoE layer; None: from gpu_experts_ratio, else 0
+    gpu_experts_ratio: float | None
+    max_deferred_experts_per_token: int
+    numa_nodes: list[int] | None
+    placement_strategy: str
+    placement_stats: str | None
+    record_placement_stats: str | None
+
+    def to_env(self) -> None:
+        os.environ[ENV_VAR] = json.dumps(asdict(self))
+
+    @classmethod
+    def from_env(cls) -> KtSettings | None:
+        raw = os.environ.get(ENV_VAR)
+        return cls(**json.loads(raw)) if raw else None
+
+    def total_hot(self, num_experts: int, num_moe_layers: int) -> int:
+        if self.gpu_experts_ratio is not None:
+            return round(self.gpu_experts_ratio * num_experts * num_moe_layers)
+        return (self.num_gpu_experts or 0) * num_moe_layers
+
+
+def add_extra_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """Our flags, beyond the ones SGLang declares."""
+    from kt_sglang.placement import STRATEGIES
+
+    parser.add_argument(
+        "--kt-numa-nodes",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=None,
+        help="NUMA node of each thread pool, comma separated (e.g. 0,0 for two pools on node 0); "
+        "default: pool p on node p",
+    )
+    parser.add_argument(
+        "--kt-gpu-experts-ratio",
+        type=float,
+        default=None,
+        help="hot experts as a fraction of all experts of all MoE layers (instead of --kt-num-gpu-experts)",
+    )
+    parser.add_argument(
+        "--kt-expert-placement-strategy",
+        choices=STRATEGIES,
+        default="uniform",
+        help="which experts are hot: the same ids in every layer (uniform), whole layers first "
+        "(front-loading), seeded random ids (random), or the most routed ones (frequency)",
+    )
+    parser.add_argument(
+        "--kt-placement-stats", default=None, help="routing statistics file read by the frequency strategy"
+    )
+    parser.add_argument(
+        "--kt-record-placement-stats",
+        default=None,
+        help="write the routing statistics observed while serving to this file (merged with what it holds)",
+    )
+
+
+def extra_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    add_extra_arguments(parser)
+    return parser
+
+
+def split_argv(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """Our flags out of argv; the rest is SGLang's."""
+    return extra_parser().parse_known_args(argv)
+
+
+def extra_help() -> str:
+    parser = argparse.ArgumentParser(prog="kt-sglang options", add_help=False)
+    add_extra_arguments(parser.add_argument_group("kt-sglang (CPU experts) options"))
+    return parser.format_help()
+
+
+def flag_given(argv: list[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in argv)
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    num_experts: int
+    top_k: int
+    moe_layers: list[int]
+
+
+def model_facts(model_path: str) -> ModelFacts | None:
+    """Expert count, top-k and MoE layers from a local model directory (None: not a local dir)."""
+    from kt_sglang.weights.checkpoint import open_checkpoint
+
+    if not (Path(model_path) / "config.json").is_file():
+        return None
+    spec = open_checkpoint(model_path).spec
+    return ModelFacts(spec.num_experts, spec.top_k, list(spec.moe_layers))
+
+
+def resolve(server_args, extra: argparse.Namespace, argv: list[str]) -> KtSettings | None:
+    """All `--kt-*` settings with defaults filled in and checked; None when CPU experts are off."""
+    from kt_sglang.engine.methods import parse_method
+    from kt_sglang.engine.pools import machine_nodes, physical_cores
+
+    weight_path = getattr(server_args, "kt_weight_path", None)
+    ours = [f for f, v in vars(extra).items() if v not in (None, "uniform")]
+    if weight_path is None:
+        if ours:
+            flags = ", ".join("--" + f.replace("_", "-") for f in ours)
+            raise KtSettingsError(
+                f"{flags} given without --kt-weight-path: set --kt-weight-path to enable CPU experts"
+            )
+        return None
+    if (getattr(server_args, "tp_size", 1) or 1) > 1:
+        raise KtSettingsError(
+            "--tp-size > 1 with CPU experts is not supported by kt-sglang yet: use --tp-size 1"
+        )
+    try:
+        method = parse_method(server_args.kt_method).value
+    except ValueError as exc:
+        raise KtSettingsError(f"--kt-method: {exc}") from None
+    cores, nodes = physical_cores(), len(machine_nodes())
+    threads = server_args.kt_cpuinfer if server_args.kt_cpuinfer is not None else cores
+    if not 1 <= threads <= cores:
+        raise KtSettingsError(
+            f"--kt-cpuinfer {threads}: this machine has {cores} physical cores; use 1..{cores}"
+        )
+    pools = server_args.kt_threadpool_count if flag_given(argv, "--kt-threadpool-count") else None
+    if extra.kt_numa_nodes is not None:
+        pools = pools or len(extra.kt_numa_nodes)
+        if len(extra.kt_numa_nodes) != pools:
+            raise KtSettingsError(
+                f"--kt-numa-nodes names {len(extra.kt_numa_nodes)} nodes for {pools} pools "
+                "(--kt-threadpool-count)"
+            )
+    pools = pools or min(nodes, threads)
+    if extra.kt_numa_nodes is None and not 1 <= pools <= nodes:
+        raise KtSettingsError(
+            f"--kt-threadpool-count {pools}: this machine has {nodes} NUMA node(s); use 1..{nodes} "
+            "(or --kt-numa-nodes 0,0 for several pools on one node)"
+        )
+    if pools > threads:
+        raise KtSettingsError(f"--kt-threadpool-count {pools} is more than --kt-cpuinfer {threads} threads")
+    n_gpu = server_args.kt_num_gpu_experts
+    ratio = extra.kt_gpu_experts_ratio
+    if n_gpu is not None and ratio is not None:
+        raise KtSettingsError("give --kt-num-gpu-experts or --kt-gpu-experts-ratio, not both")
+    if ratio is not None and not 0.0 <= ratio <= 1.0:
+        raise KtSettingsError(f"--kt-gpu-experts-ratio {ratio}: use a fraction in [0, 1]")
+    if n_gpu is not None and n_gpu < 0:
+        raise KtSettingsError(f"--kt-num-gpu-experts {n_gpu}: use 0 or more")
+    deferred = server_args.kt_max_deferred_experts_per_token or 0
+    if deferred < 0:
+        raise KtSettingsError(f"--kt-max-deferred-experts-per-token {deferred}: use 0 or more")
+    if extra.kt_expert_placement_strategy == "frequency" and not extra.kt_placement_stats:
+        raise KtSettingsError("--kt-expert-placement-strategy frequency needs --kt-placement-stats FILE")
+    settings = KtSettings(
+        weight_path=str(weight_path),
+        method=method,
+        cpuinfer=threads,
+        threadpool_count=pools,
+        num_gpu_experts=n_gpu,
+        gpu_experts_ratio=ratio,
+        max_deferred_experts_per_token=deferred,
+        numa_nodes=extra.kt_numa_nodes,
+        placement_strategy=extra.kt_expert_placement_strategy,
+        placement_stats=extra.kt_placement_stats,
+        record_placement_stats=extra.kt_record_placement_stats,
+    )
+    check_against_model(settings, server_args.model_path)
+    return settings
+
+
+def check_against_model(settings: KtSettings, model_path: str) -> None:
+    """Counts and files against the model's config (when the model is a local directory)."""
+    from kt_sglang.placement import PlacementStats
+    from kt_sglang.weights.canonical_files import MANIFEST, Manifest, is_canonical_dir
+    from kt_sglang.weights.checkpoint import open_checkpoint
+
+    path = Path(settings.weight_path)
+    if not path.is_dir():
+        raise KtSettingsError(f"--kt-weight-path {path} is not a directory")
+    facts = model_facts(model_path)
+    if facts is None:
+        return
+    E, k = facts.num_experts, facts.top_k
+    if settings.num_gpu_experts is not None and settings.num_gpu_experts > E:
+        raise KtSettingsError(
+            f"--kt-num-gpu-experts {settings.num_gpu_experts} is more than the model's {E} experts per layer"
+        )
+    if settings.max_deferred_experts_per_token >= k:
+        raise KtSettingsError(
+            f"--kt-max-deferred-experts-per-token {settings.max_deferred_experts_per_token}: the model "
+            f"routes each token to {k} experts; use 0..{k - 1}"
+        )
+    try:
+        if is_canonical_dir(path):
+            m = Manifest.read(path)
+            where = path / MANIFEST
+            if m.method != settings.method:
+                raise KtSettingsError(
+                    f"--kt-weight-path {path} holds {m.method} weights ({where}); --kt-method is "
+                    f"{settings.method}: convert again or change --kt-method"
+                )
+            theirs = (m.num_experts, m.hidden_size, m.intermediate_size)
+        else:
+            spec = open_checkpoint(path).spec
+            where = path / "config.json"
+            theirs = (spec.num_experts, spec.hidden_size, spec.intermediate_size)
+        model = open_checkpoint(model_path).spec
+        ours = (model.num_experts, model.hidden_size, model.intermediate_size)
+    except KtSettingsError:
+        raise
+    except ValueError as exc:  # CheckpointError, unknown family, bad manifest
+        raise KtSettingsError(f"--kt-weight-path: {exc}") from None
+    if theirs != ours:
+        raise KtSettingsError(
+            f"--kt-weight-path {path} is for another model: {where} has (experts, hidden, intermediate) = "
+            f"{theirs}; {model_path} has {ours}"
+        )
+    if settings.placement_stats:
+        try:
+            PlacementStats.read(settings.placement_stats).counts(0, E)
+        except ValueError as exc:
+            raise KtSettingsError(f"--kt-placement-stats: {exc}") from None
