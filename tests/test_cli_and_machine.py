@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -76,10 +77,20 @@ def test_best_isa_follows_cpuid():
 
 
 @pytest.mark.slow
-def test_demo_runs_within_bounds():
-    r = kt_sglang("demo")
+def test_check_engine_runs_within_bounds():
+    r = kt_sglang("check-engine")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "all methods within their error bounds" in r.stdout
+
+
+@pytest.mark.slow
+def test_demo_serves_a_chat_request_with_cpu_experts(tmp_path):
+    r = kt_sglang("demo", "--workdir", str(tmp_path), "--max-tokens", "8")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "assistant: " in r.stdout and "8 tokens in" in r.stdout
+    cpu, gpu = (int(x) for x in re.search(r"(\d+) on the CPU engine, (\d+) on the GPU", r.stdout).groups())
+    assert cpu > 0 and gpu > 0
+    assert not (tmp_path / "server.log").read_text().count("Traceback")
 
 
 def test_bench_quick_writes_json(tmp_path):

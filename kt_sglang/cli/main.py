@@ -1,9 +1,10 @@
-"""`kt-sglang`: version, doctor, demo, bench."""
+"""`kt-sglang`: version, doctor, demo, serve, chat, check-engine, bench, convert-cpu."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -20,8 +21,18 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("version", help="print the version of kt-sglang and of what it runs on")
     sub.add_parser("doctor", help="check this machine: CPU paths, AMX, NUMA, Python packages, GPU")
     sub.add_parser("convert-cpu", help="quantize a checkpoint's experts into the canonical CPU format")
-    demo = sub.add_parser("demo", help="run the CPU engine on a small MoE layer against a float32 reference")
-    demo.add_argument("--threads", type=int, default=None, help="compute threads (default: all cores)")
+    demo = sub.add_parser(
+        "demo", help="serve a tiny MoE model made here with SGLang and CPU experts, send one chat request"
+    )
+    from kt_sglang.cli.demo import DEFAULT_WORKDIR
+
+    demo.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR, help=f"default: {DEFAULT_WORKDIR}")
+    demo.add_argument("--method", default="AMXINT4", choices=["BF16", "AMXINT8", "AMXINT4"])
+    demo.add_argument("--gpu-experts", type=int, default=2, help="hot experts per MoE layer (of 8)")
+    demo.add_argument("--max-tokens", type=int, default=32)
+    demo.add_argument("--threads", type=int, default=None, help="CPU expert threads (default: all cores)")
+    check = sub.add_parser("check-engine", help="the CPU engine alone on a small MoE layer against float32")
+    check.add_argument("--threads", type=int, default=None, help="compute threads (default: all cores)")
     bench = sub.add_parser("bench", help="benchmark one MoE layer (decode latency, prefill tokens/s)")
     from kt_sglang.cli.bench import add_arguments
 
@@ -39,7 +50,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         from kt_sglang.cli.demo import run_demo
 
-        return run_demo(args.threads)
+        return run_demo(
+            args.workdir, args.method, args.gpu_experts, max_tokens=args.max_tokens, threads=args.threads
+        )
+    if args.command == "check-engine":
+        from kt_sglang.cli.check_engine import run_check_engine
+
+        return run_check_engine(args.threads)
     if args.command == "bench":
         from kt_sglang.cli.bench import run_from_args
 

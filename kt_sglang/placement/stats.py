@@ -83,13 +83,16 @@ class PlacementStats:
 class StatsRecorder:
     """Counts routed selections per layer while serving and merges them into ``path``.
 
-    The file is rewritten at most every ``interval_s`` seconds and at exit, as the counts already in
+    The file is rewritten at most every ``interval_s`` seconds (default: KT_SGLANG_STATS_INTERVAL_S,
+    else 5) and at exit, as the counts already in
     the file when recording started plus everything counted since.
     """
 
-    def __init__(self, path: str | Path, num_experts: int, interval_s: float = 5.0) -> None:
+    def __init__(self, path: str | Path, num_experts: int, interval_s: float | None = None) -> None:
         self.path = Path(path)
         self.num_experts = num_experts
+        if interval_s is None:
+            interval_s = float(os.environ.get("KT_SGLANG_STATS_INTERVAL_S", "5"))
         self.interval_s = interval_s
         self._base = PlacementStats.read(self.path) if self.path.exists() else PlacementStats(num_experts)
         self._base.counts(0, num_experts)  # the same expert count, or a clear error
