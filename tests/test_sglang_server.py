@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -154,3 +155,29 @@ def test_help_lists_our_flags(tmp_path):
     for flag in ("--kt-numa-nodes", "--kt-gpu-experts-ratio", "--kt-expert-placement-strategy"):
         assert flag in r.stdout
     assert "--kt-weight-path" in r.stdout  # SGLang's own
+
+
+def test_serve_picks_flags_and_chat_streams_a_reply(qwen, tmp_path):
+    import shutil
+
+    model_dir, _ = qwen
+    exe = shutil.which("kt-sglang", path=str(Path(sys.executable).parent))
+    port = free_port()
+    cmd = [exe, "serve", str(model_dir), "--method", "BF16", "--host", "127.0.0.1", "--port", str(port)]
+    with SGLangServer(cmd, tmp_path / "serve.log", port) as server:
+        log = server.log_tail(2000)
+        chosen = log.splitlines()[0]  # the command it runs
+        assert chosen.startswith("==> ") and "sglang.launch_server" in chosen
+        for flag in ("--kt-weight-path", "--kt-cpuinfer", "--kt-threadpool-count", "--device cpu"):
+            assert flag in chosen
+        assert "kt-sglang: CPU experts on, method BF16" in log
+        r = subprocess.run(
+            [exe, "chat", "--url", server.url, "--max-tokens", "6", "--temperature", "0"],
+            input="What is the capital of France?\n\n",
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert r.returncode == 0, r.stderr
+    reply = r.stdout.split("assistant> ", 1)[1].split("\nyou> ")[0]
+    assert reply.strip(), r.stdout

@@ -31,13 +31,26 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--gpu-experts", type=int, default=2, help="hot experts per MoE layer (of 8)")
     demo.add_argument("--max-tokens", type=int, default=32)
     demo.add_argument("--threads", type=int, default=None, help="CPU expert threads (default: all cores)")
+    serve = sub.add_parser(
+        "serve",
+        help="run python -m sglang.launch_server with --kt-* flags chosen for this machine",
+        description="Any other argument goes to SGLang unchanged; --kt-* flags given win over ours.",
+    )
+    serve.add_argument("model", help="local Hugging Face model directory")
+    serve.add_argument("--method", default="AMXINT4", choices=["BF16", "AMXINT8", "AMXINT4"])
+    chat = sub.add_parser("chat", help="interactive streaming chat with a running server")
+    chat.add_argument("--url", default="http://127.0.0.1:30000")
+    chat.add_argument("--max-tokens", type=int, default=256)
+    chat.add_argument("--temperature", type=float, default=0.7)
     check = sub.add_parser("check-engine", help="the CPU engine alone on a small MoE layer against float32")
     check.add_argument("--threads", type=int, default=None, help="compute threads (default: all cores)")
     bench = sub.add_parser("bench", help="benchmark one MoE layer (decode latency, prefill tokens/s)")
     from kt_sglang.cli.bench import add_arguments
 
     add_arguments(bench)
-    args = parser.parse_args(argv)
+    args, rest = parser.parse_known_args(argv)
+    if rest and args.command != "serve":
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "version":
         from kt_sglang.cli.doctor import print_version
 
@@ -53,6 +66,14 @@ def main(argv: list[str] | None = None) -> int:
         return run_demo(
             args.workdir, args.method, args.gpu_experts, max_tokens=args.max_tokens, threads=args.threads
         )
+    if args.command == "serve":
+        from kt_sglang.cli.serve import run_serve
+
+        return run_serve(args.model, rest, args.method)
+    if args.command == "chat":
+        from kt_sglang.cli.chat import run_chat
+
+        return run_chat(args.url, args.max_tokens, args.temperature)
     if args.command == "check-engine":
         from kt_sglang.cli.check_engine import run_check_engine
 

@@ -17,16 +17,14 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-# What SGLang needs to serve on a machine without a GPU (see docs/usage.md).
-CPU_DEVICE_ARGS = [
-    "--device",
-    "cpu",
-    "--attention-backend",
-    "torch_native",
-    "--disable-cuda-graph",
-    "--max-total-tokens",
-    "4096",  # SGLang's CPU default reserves ~15 GB of KV cache
-]
+# What SGLang needs to serve on a machine without a GPU (see docs/usage.md); None: a switch.
+CPU_DEVICE_FLAGS: dict[str, str | None] = {
+    "--device": "cpu",
+    "--attention-backend": "torch_native",
+    "--disable-cuda-graph": None,
+    "--max-total-tokens": "4096",  # SGLang's CPU default reserves ~15 GB of KV cache
+}
+CPU_DEVICE_ARGS = [x for flag, value in CPU_DEVICE_FLAGS.items() for x in (flag, value) if x is not None]
 
 
 def free_port() -> int:
