@@ -16,16 +16,61 @@ import pytest
 import torch
 
 from kt_sglang.cli.server import CPU_DEVICE_ARGS, SGLangServer, free_port, server_command
+from kt_sglang.engine import KTMoEWrapper
+from kt_sglang.layer.hybrid import DeferralChain, HybridMoELayer
+from kt_sglang.placement import slot_map
 from kt_sglang.tiny_model import TinyMoESpec, write_tiny_moe
 
 MIN_MARGIN = 0.04
 NEW_TOKENS = 8
 
 
-def _reference(model_dir, candidates: int = 64, wanted: int = 4) -> list[tuple[list[int], list[int]]]:
+def _hf_model(model_dir):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+
+
+class _StandaloneExperts(torch.nn.Module):
+    """Stands in for an HF MoE block's experts: our hybrid layer (CPU engine + hot slots)."""
+
+    def __init__(self, hybrid: HybridMoELayer) -> None:
+        super().__init__()
+        self.hybrid = hybrid
+
+    def forward(self, hidden, ids, weights):
+        return self.hybrid(hidden.bfloat16(), ids, weights.float()).float()
+
+
+def _standalone_model(model_dir, method: str, hot: int, deferred: int):
+    """HF's model (float32) with every MoE layer replaced by our standalone layer stack: the same
+    engine, quantized weights, hot experts 0..hot-1 (uniform placement) and deferral chain as the
+    server."""
+    model = _hf_model(model_dir)
+    cfg = model.config
+    chain, hybrids = DeferralChain(), []
+    for i, block in enumerate(model.model.layers):
+        experts = KTMoEWrapper(
+            i, cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size,
+            None, 2, 1, weight_path=str(model_dir), method=method,
+        )  # fmt: skip
+        experts.load_weights()
+        fused = block.mlp.experts
+        hybrid = HybridMoELayer(
+            experts,
+            slot_map(list(range(hot)), cfg.num_experts),
+            fused.gate_up_proj.data[:hot].bfloat16(),
+            fused.down_proj.data[:hot].bfloat16(),
+            chain,
+            deferred,
+        )
+        block.mlp.experts = _StandaloneExperts(hybrid)
+        hybrids.append(hybrid)
+    HybridMoELayer.link(hybrids)
+    return model
+
+
+def _reference(model, candidates: int = 64, wanted: int = 4) -> list[tuple[list[int], list[int]]]:
     gen = torch.Generator().manual_seed(0)
     picked = []
     for _ in range(candidates):
@@ -49,13 +94,13 @@ def _reference(model_dir, candidates: int = 64, wanted: int = 4) -> list[tuple[l
 @pytest.fixture(scope="module")
 def qwen(tmp_path_factory):
     path = write_tiny_moe(tmp_path_factory.mktemp("qwen3moe"), TinyMoESpec(arch="qwen3_moe"))
-    return path, _reference(path)
+    return path, _reference(_hf_model(path))
 
 
 @pytest.fixture(scope="module")
 def mixtral(tmp_path_factory):
     path = write_tiny_moe(tmp_path_factory.mktemp("mixtral"), TinyMoESpec(arch="mixtral", num_layers=2))
-    return path, _reference(path)
+    return path, _reference(_hf_model(path))
 
 
 def _serve_and_generate(model_dir, kt_args: list[str], prompts, log_path) -> tuple[list[list[int]], str]:
@@ -108,6 +153,24 @@ def test_mixtral_bf16_greedy_ids_equal_hf(mixtral, tmp_path):
     outs, log = _serve_and_generate(model_dir, _kt(model_dir, "BF16", 3), prompts, tmp_path / "server.log")
     assert "kt-sglang: CPU experts on, method BF16" in log
     assert outs == [hf for _, hf in prompts]
+
+
+@pytest.mark.parametrize(
+    "method, hot, deferred", [("AMXINT8", 2, 0), ("AMXINT4", 2, 0), ("BF16", 2, 1), ("AMXINT4", 3, 1)]
+)
+def test_qwen3_moe_server_equals_standalone_stack(qwen, method, hot, deferred, tmp_path, record_property):
+    """Quantized methods and deferral: identical ids to HF's model run through our standalone layer
+    stack with the same weights and semantics; agreement with plain HF (float32) is reported."""
+    model_dir, hf_prompts = qwen
+    prompts = _reference(_standalone_model(model_dir, method, hot, deferred))
+    args = _kt(model_dir, method, hot, deferred)
+    outs, log = _serve_and_generate(model_dir, args, prompts + hf_prompts, tmp_path / "server.log")
+    assert f"deferred per token {deferred}" in log
+    assert outs[: len(prompts)] == [ids for _, ids in prompts]
+    hf_out = outs[len(prompts) :]
+    same = sum(ref == out for (_, ref), out in zip(hf_prompts, hf_out, strict=True))
+    record_property("hf_identical_continuations", f"{same}/{len(hf_prompts)}")
+    print(f"{method} hot={hot} deferred={deferred}: {same}/{len(hf_prompts)} continuations as float32 HF")
 
 
 def _launch_error(args: list[str]) -> subprocess.CompletedProcess:
