@@ -22,6 +22,7 @@ from kt_sglang.placement import slot_map
 from kt_sglang.tiny_model import TinyMoESpec, write_tiny_moe
 
 MIN_MARGIN = 0.04
+LOGPROB_TOL = 0.03  # bf16 serving vs the float32 stack; deferring one expert moves them by up to ~0.1
 NEW_TOKENS = 8
 
 
@@ -103,7 +104,8 @@ def mixtral(tmp_path_factory):
     return path, _reference(_hf_model(path))
 
 
-def _serve_and_generate(model_dir, kt_args: list[str], prompts, log_path) -> tuple[list[list[int]], str]:
+def _serve_and_generate(model_dir, kt_args: list[str], prompts, log_path, logprobs: list | None = None):
+    """Greedy ids of each prompt (and, into ``logprobs``, the server's log-probability of each)."""
     port = free_port()
     cmd = server_command(model_dir, CPU_DEVICE_ARGS + kt_args, port)
     with SGLangServer(cmd, log_path, port) as server:
@@ -114,10 +116,24 @@ def _serve_and_generate(model_dir, kt_args: list[str], prompts, log_path) -> tup
                 {
                     "input_ids": ids,
                     "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True},
+                    "return_logprob": True,
                 },
             )
             outs.append(r["output_ids"])
+            if logprobs is not None:
+                logprobs.append([lp for lp, *_ in r["meta_info"]["output_token_logprobs"]])
         return outs, server.log_tail(400)
+
+
+def _chosen_logprobs(model, prompts) -> torch.Tensor:
+    """Log-probability of each continuation token under ``model`` (teacher forcing) ``[P, NEW_TOKENS]``."""
+    rows = []
+    with torch.no_grad():
+        for ids, cont in prompts:
+            seq = torch.tensor([ids + cont])
+            logp = torch.log_softmax(model(seq).logits[0, len(ids) - 1 : -1].float(), -1)
+            rows.append(logp[torch.arange(len(cont)), torch.tensor(cont)])
+    return torch.stack(rows)
 
 
 def _kt(model_dir, method="BF16", gpu_experts=0, deferred=0) -> list[str]:
@@ -162,11 +178,20 @@ def test_qwen3_moe_server_equals_standalone_stack(qwen, method, hot, deferred, t
     """Quantized methods and deferral: identical ids to HF's model run through our standalone layer
     stack with the same weights and semantics; agreement with plain HF (float32) is reported."""
     model_dir, hf_prompts = qwen
-    prompts = _reference(_standalone_model(model_dir, method, hot, deferred))
+    standalone = _standalone_model(model_dir, method, hot, deferred)
+    prompts = _reference(standalone)
     args = _kt(model_dir, method, hot, deferred)
-    outs, log = _serve_and_generate(model_dir, args, prompts + hf_prompts, tmp_path / "server.log")
+    logprobs: list = []
+    outs, log = _serve_and_generate(model_dir, args, prompts + hf_prompts, tmp_path / "server.log", logprobs)
     assert f"deferred per token {deferred}" in log
     assert outs[: len(prompts)] == [ids for _, ids in prompts]
+    # The numbers too: the server's log-probabilities follow the stack with the same deferral, and
+    # the bound separates it from the same stack without deferral.
+    served = torch.tensor(logprobs[: len(prompts)])
+    assert (served - _chosen_logprobs(standalone, prompts)).abs().max() < LOGPROB_TOL
+    if deferred:
+        undeferred = _chosen_logprobs(_standalone_model(model_dir, method, hot, 0), prompts)
+        assert (served - undeferred).abs().max() > LOGPROB_TOL
     hf_out = outs[len(prompts) :]
     same = sum(ref == out for (_, ref), out in zip(hf_prompts, hf_out, strict=True))
     record_property("hf_identical_continuations", f"{same}/{len(hf_prompts)}")
