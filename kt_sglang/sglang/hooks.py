@@ -64,10 +64,10 @@ def after_load_model(result, model_runner, *args, **kwargs):
     from kt_sglang.sglang.method import KTEPWrapperMethod
 
     settings = KtSettings.from_env()
-    moe = [m for m in model_runner.model.modules() if isinstance(m, FusedMoE)]
-    ours = sorted((m for m in moe if isinstance(m.quant_method, KTEPWrapperMethod)), key=lambda m: m.layer_id)
     if settings is None:
         return result
+    moe = [m for m in model_runner.model.modules() if isinstance(m, FusedMoE)]
+    ours = sorted((m for m in moe if isinstance(m.quant_method, KTEPWrapperMethod)), key=lambda m: m.layer_id)
     if not ours or len(ours) != len(moe):
         kinds = sorted({type(m.quant_method).__module__ + "." + type(m.quant_method).__name__ for m in moe})
         raise RuntimeError(

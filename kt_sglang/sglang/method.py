@@ -193,6 +193,11 @@ class KTEPWrapperMethod(FusedMoEMethodBase):
     # -- runner ----------------------------------------------------------------------------
 
     def create_moe_runner(self, layer: torch.nn.Module, moe_runner_config) -> None:
+        if moe_runner_config.activation != "silu":  # at model build, not at the first request
+            raise ValueError(
+                f"kt-sglang CPU experts compute gated SiLU; MoE layer {self.layer_idx} uses "
+                f"{moe_runner_config.activation}: this model cannot use --kt-weight-path yet"
+            )
         self.moe_runner_config = moe_runner_config
         moe_runner_config.num_local_experts = self.num_hot
         # DeepSeek / GLM multiply the MoE output by routed_scaling_factor in the model when this
@@ -210,11 +215,6 @@ class KTEPWrapperMethod(FusedMoEMethodBase):
         from sglang.srt.layers.moe.token_dispatcher import StandardCombineInput
         from sglang.srt.layers.moe.topk import TopKOutputChecker
 
-        if self.moe_runner_config.activation != "silu":
-            raise NotImplementedError(
-                f"kt-sglang CPU experts compute gated SiLU; layer {self.layer_idx} uses "
-                f"{self.moe_runner_config.activation}"
-            )
         if TopKOutputChecker.format_is_bypassed(dispatch_output.topk_output):
             dispatch_output = dispatch_output._replace(topk_output=dispatch_output.topk_output.to_standard())
         x = dispatch_output.hidden_states
