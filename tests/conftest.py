@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # Without a GPU the Triton kernels run in Triton's interpreter, which must be chosen before
+    # anything imports triton (its own jit helpers are decorated at import).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from kt_sglang.engine import SharedRunner
 from kt_sglang.engine.native import _native

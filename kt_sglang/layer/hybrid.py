@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 
 from kt_sglang.engine.wrapper import KTMoEWrapper
-from kt_sglang.kernels.hot_moe import hot_moe_torch
-from kt_sglang.kernels.split import split_routing_torch
+from kt_sglang.kernels.hot_moe import hot_moe
+from kt_sglang.kernels.split import split_routing
 
 
 class DeferralChain:
@@ -85,14 +85,14 @@ class HybridMoELayer(torch.nn.Module):
         self, hidden: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
         """The hot experts' fp32 output; a serving framework overrides this with its GPU kernels."""
-        return hot_moe_torch(hidden, self.w13, self.w2, slot_ids, weights)
+        return hot_moe(hidden, self.w13, self.w2, slot_ids, weights)
 
     def forward(
         self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
         self.chain.drop_stale(self)  # before our own deferred submission reuses the buffers
         max_deferred = self.max_deferred if self.next_moe is not None else 0
-        split = split_routing_torch(topk_ids, topk_weights, self.gpu_slot_of, max_deferred)
+        split = split_routing(topk_ids, topk_weights, self.gpu_slot_of, max_deferred)
         self.experts.submit_forward(hidden, split.cold_ids, topk_weights)
         defer = max_deferred > 0 and bool((split.deferred_ids >= 0).any())
         if defer:

@@ -1,0 +1,182 @@
+"""The hot experts' MoE as Triton grouped GEMMs (CUDA); same semantics as `hot_moe_torch`.
+
+The selections ``(token, j)`` with a GPU slot are grouped by slot into blocks of BLOCK_M rows
+(`align_by_slot`, torch ops without host synchronization, so a CUDA graph can capture it: the grid
+is sized for the worst case and blocks without work return at once). Then
+
+1. gate/up: ``inter[row] = silu(x Wg_s^T) * (x Wu_s^T)`` in the weights' dtype (fp32 accumulation);
+2. down: ``partial[row] = w[row] * inter[row] W2_s^T`` in fp32;
+
+and the k partial rows of each token are summed. Rows of selections with slot -1 stay zero.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_M = 16  # rows (selections) per block: tl.dot's minimum, and decode batches are small
+
+
+@dataclass
+class SlotBlocks:
+    """Selection rows grouped by GPU slot, padded to BLOCK_M per slot."""
+
+    rows: torch.Tensor  # [capacity] flat selection index t*k + j, or num_rows (padding)
+    block_slot: torch.Tensor  # [capacity // BLOCK_M] slot of each block, -1 for unused blocks
+
+
+def align_by_slot(slot_ids: torch.Tensor, num_slots: int, block_m: int = BLOCK_M) -> SlotBlocks:
+    """Groups the flat selections of ``slot_ids [T, k]`` (-1 = not hot) by slot."""
+    flat = slot_ids.reshape(-1).long()
+    n = flat.numel()
+    device = flat.device
+    key = torch.where(flat >= 0, flat, num_slots)  # not-hot rows sort last, into a dummy slot
+    counts = torch.zeros(num_slots + 1, dtype=torch.int64, device=device).scatter_add_(
+        0, key, torch.ones_like(key)
+    )
+    padded = (counts[:num_slots] + block_m - 1) // block_m * block_m
+    padded_end = torch.cumsum(padded, 0)
+    order = torch.sort(key, stable=True).indices
+    sorted_key = key[order]
+    start_in_sorted = torch.cumsum(counts, 0) - counts  # where each slot's rows begin in `order`
+    rank = torch.arange(n, device=device) - start_in_sorted[sorted_key]
+    dest = (padded_end - padded)[sorted_key.clamp_max(num_slots - 1)] + rank
+    capacity = (n + num_slots * (block_m - 1) + block_m - 1) // block_m * block_m
+    rows = torch.full((capacity + 1,), n, dtype=torch.int64, device=device)
+    hot = sorted_key < num_slots
+    rows.scatter_(0, torch.where(hot, dest, capacity), order)  # not-hot rows land in the spare cell
+    block_start = torch.arange(0, capacity, block_m, device=device)
+    block_slot = torch.searchsorted(padded_end, block_start, right=True)
+    block_slot = torch.where(block_slot < num_slots, block_slot, -1)
+    return SlotBlocks(rows=rows[:capacity], block_slot=block_slot)
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr,  # [T, H]
+    w13_ptr,  # [S, 2I, H]
+    inter_ptr,  # [T*k, I]
+    rows_ptr,
+    block_slot_ptr,
+    num_rows,
+    top_k,
+    H,
+    I,
+    FP32_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    block = tl.program_id(0)
+    slot = tl.load(block_slot_ptr + block).to(tl.int64)
+    if slot < 0:
+        return
+    rows = tl.load(rows_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_ok = rows < num_rows
+    token = tl.where(row_ok, rows // top_k, 0)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < I
+    gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    w_base = w13_ptr + slot * 2 * I * H
+    for k0 in range(0, H, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = kk < H
+        a = tl.load(x_ptr + token[:, None] * H + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        wg = tl.load(w_base + n[None, :] * H + kk[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        wu = tl.load(
+            w_base + (I + n[None, :]) * H + kk[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0
+        )
+        a = a.to(wg.dtype)
+        if FP32_DOT:
+            gate += tl.dot(a, wg, input_precision="ieee")
+            up += tl.dot(a, wu, input_precision="ieee")
+        else:
+            gate += tl.dot(a, wg)
+            up += tl.dot(a, wu)
+    h = gate * tl.sigmoid(gate) * up
+    tl.store(
+        inter_ptr + rows[:, None] * I + n[None, :],
+        h.to(inter_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & n_ok[None, :],
+    )
+
+
+@triton.jit
+def _down_kernel(
+    inter_ptr,  # [T*k, I]
+    w2_ptr,  # [S, H, I]
+    weights_ptr,  # [T*k] router weights
+    out_ptr,  # [T*k, H] fp32
+    rows_ptr,
+    block_slot_ptr,
+    num_rows,
+    H,
+    I,
+    FP32_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    block = tl.program_id(0)
+    slot = tl.load(block_slot_ptr + block).to(tl.int64)
+    if slot < 0:
+        return
+    rows = tl.load(rows_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_ok = rows < num_rows
+    safe_rows = tl.where(row_ok, rows, 0)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < H
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    w_base = w2_ptr + slot * H * I
+    for k0 in range(0, I, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = kk < I
+        a = tl.load(
+            inter_ptr + safe_rows[:, None] * I + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0
+        )
+        w = tl.load(w_base + n[None, :] * I + kk[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        if FP32_DOT:
+            acc += tl.dot(a, w, input_precision="ieee")
+        else:
+            acc += tl.dot(a, w)
+    route = tl.load(weights_ptr + safe_rows, mask=row_ok, other=0.0).to(tl.float32)
+    tl.store(
+        out_ptr + rows[:, None] * H + n[None, :], acc * route[:, None], mask=row_ok[:, None] & n_ok[None, :]
+    )
+
+
+def hot_moe_triton(
+    hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
+    """Same arguments and result as `hot_moe_torch`: fp32 ``[T, H]``; bf16, fp16 or fp32 weights."""
+    T, H = hidden.shape
+    k = slot_ids.shape[1]
+    S, I = w2.shape[0], w2.shape[2]
+    if tuple(w13.shape) != (S, 2 * I, H) or tuple(w2.shape) != (S, H, I):
+        raise ValueError(
+            f"w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)}: expected [S, 2I, {H}] / [S, {H}, I]"
+        )
+    partial = torch.zeros((T * k, H), dtype=torch.float32, device=hidden.device)
+    if T == 0 or k == 0 or S == 0:
+        return partial.view(T, k, H).sum(1)
+    blocks = align_by_slot(slot_ids, S)
+    inter = torch.empty((T * k, I), dtype=w13.dtype, device=hidden.device)
+    x, w13, w2 = hidden.contiguous(), w13.contiguous(), w2.contiguous()
+    route = weights.reshape(-1).float().contiguous()
+    fp32 = w13.dtype == torch.float32
+    num_blocks = blocks.block_slot.shape[0]
+    block_n, block_k = 64, 64 if not fp32 else 32
+    _gate_up_kernel[(num_blocks, triton.cdiv(I, block_n))](
+        x, w13, inter, blocks.rows, blocks.block_slot, T * k, k, H, I,
+        FP32_DOT=fp32, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
+    )  # fmt: skip
+    _down_kernel[(num_blocks, triton.cdiv(H, block_n))](
+        inter, w2, route, partial, blocks.rows, blocks.block_slot, T * k, H, I,
+        FP32_DOT=fp32, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
+    )  # fmt: skip
+    return partial.view(T, k, H).sum(1)

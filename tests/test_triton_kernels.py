@@ -1,0 +1,134 @@
+"""The Triton split and hot-expert kernels against their torch twins.
+
+Without a GPU they run in Triton's interpreter on the CPU (``TRITON_INTERPRET=1``, set by conftest.py
+before triton is imported) in fp32 and fp16: Triton 3.8's interpreter computes bf16 ``tl.dot``
+wrongly. With a CUDA device they run compiled, bf16 included.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from conftest import make_routing
+
+from kt_sglang.kernels import hot_moe_torch, split_routing_torch
+
+pytest.importorskip("triton", reason="the Triton kernels need the triton package")
+
+HAS_CUDA = torch.cuda.is_available()
+needs_gpu = pytest.mark.skipif(
+    not HAS_CUDA, reason="needs a CUDA GPU (bf16 tl.dot is wrong in Triton's interpreter)"
+)
+
+
+@pytest.fixture
+def device() -> str:
+    if HAS_CUDA:
+        return "cuda"
+    assert os.environ.get("TRITON_INTERPRET") == "1", "conftest.py sets the interpreter without a GPU"
+    return "cpu"
+
+
+def slot_map(num_experts: int, hot: list[int]) -> torch.Tensor:
+    slot_of = torch.full((num_experts,), -1, dtype=torch.int64)
+    slot_of[hot] = torch.arange(len(hot))
+    return slot_of
+
+
+def random_hot(num_experts: int, fraction: float, seed: int) -> list[int]:
+    order = torch.randperm(num_experts, generator=torch.Generator().manual_seed(seed))
+    return sorted(order[: round(fraction * num_experts)].tolist())
+
+
+@pytest.mark.parametrize("tokens", [0, 1, 37])
+@pytest.mark.parametrize(("experts", "top_k"), [(8, 2), (16, 6), (64, 8)])
+@pytest.mark.parametrize("hot_fraction", [0.0, 0.5, 1.0])
+def test_split_kernel_matches_torch(device, tokens, experts, top_k, hot_fraction):
+    from kt_sglang.kernels.split_triton import split_routing_triton
+
+    ids, weights = make_routing(tokens, experts, top_k, seed=tokens + top_k, skip_fraction=0.1)
+    if tokens > 3:
+        weights[3] = 0.25  # ties: the earlier slot is deferred first
+    slot_of = slot_map(experts, random_hot(experts, hot_fraction, seed=experts))
+    for dtype in (torch.int32, torch.int64) if top_k == 2 else (torch.int64,):
+        ids_d, weights_d = ids.to(device, dtype), weights.to(device)
+        before = ids_d.clone(), weights_d.clone()
+        for max_deferred in range(top_k):
+            want = split_routing_torch(ids, weights, slot_of, max_deferred)
+            got = split_routing_triton(ids_d, weights_d, slot_of.to(device), max_deferred)
+            for name in ("hot_ids", "cold_ids", "deferred_ids"):
+                assert torch.equal(getattr(got, name).cpu(), getattr(want, name)), (name, max_deferred)
+        assert torch.equal(ids_d, before[0]) and torch.equal(weights_d, before[1])  # router tensors untouched
+
+
+def hot_case(tokens: int, slots: int, top_k: int, H: int, I: int, dtype: torch.dtype, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    slot_ids = torch.randint(-1, slots, (tokens, top_k), generator=gen)
+    weights = torch.rand(tokens, top_k, generator=gen)
+    hidden = torch.randn(tokens, H, generator=gen).to(dtype)
+    w13 = (torch.randn(slots, 2 * I, H, generator=gen) / H**0.5).to(dtype)
+    w2 = (torch.randn(slots, H, I, generator=gen) / I**0.5).to(dtype)
+    return hidden, w13, w2, slot_ids, weights
+
+
+HOT_SHAPES = [(1, 3, 2, 64, 32), (23, 5, 4, 96, 80), (40, 8, 8, 128, 64), (0, 2, 2, 64, 32)]
+
+
+@pytest.mark.parametrize(
+    ("dtype", "tol"), [(torch.float32, 1e-5), (torch.float16, 2e-3)], ids=["fp32", "fp16"]
+)
+@pytest.mark.parametrize("shape", HOT_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_hot_kernel_matches_torch(device, dtype, tol, shape):
+    from kt_sglang.kernels.hot_moe_triton import hot_moe_triton
+
+    case = hot_case(*shape, dtype)
+    want = hot_moe_torch(*case)
+    got = hot_moe_triton(*(t.to(device) for t in case)).cpu()
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    if shape[0]:
+        assert float((got - want).norm() / want.norm()) < tol
+
+
+def test_hot_kernel_skips_cold_and_empty(device):
+    from kt_sglang.kernels.hot_moe_triton import hot_moe_triton
+
+    hidden, w13, w2, slot_ids, weights = hot_case(9, 4, 2, 64, 32, torch.float32)
+    slot_ids[:] = -1
+    slot_ids[4, 1] = 2  # one hot selection in the whole batch
+    got = hot_moe_triton(*(t.to(device) for t in (hidden, w13, w2, slot_ids, weights))).cpu()
+    assert torch.count_nonzero(got.abs().sum(1)) == 1 and got[4].abs().sum() > 0
+    assert torch.allclose(got, hot_moe_torch(hidden, w13, w2, slot_ids, weights), atol=1e-5)
+    no_slots = hot_moe_triton(
+        hidden.to(device), w13[:0].to(device), w2[:0].to(device), slot_ids.to(device), weights
+    )
+    assert not no_slots.any()
+
+
+def test_align_by_slot_places_each_hot_selection_once(device):
+    from kt_sglang.kernels.hot_moe_triton import BLOCK_M, align_by_slot
+
+    slots = 6
+    slot_ids = torch.randint(-1, slots, (50, 4), generator=torch.Generator().manual_seed(3))
+    blocks = align_by_slot(slot_ids.to(device), slots)
+    rows, block_slot = blocks.rows.cpu(), blocks.block_slot.cpu()
+    flat = slot_ids.reshape(-1)
+    seen = {}
+    for b, s in enumerate(block_slot.tolist()):
+        for r in rows[b * BLOCK_M : (b + 1) * BLOCK_M].tolist():
+            if r < flat.numel():
+                assert s >= 0 and int(flat[r]) == s, (b, r)
+                seen[r] = seen.get(r, 0) + 1
+    assert seen == {r: 1 for r in range(flat.numel()) if flat[r] >= 0}
+
+
+@needs_gpu
+@pytest.mark.parametrize("shape", HOT_SHAPES[:3], ids=lambda s: "x".join(map(str, s)))
+def test_hot_kernel_bf16_on_gpu(shape):
+    from kt_sglang.kernels.hot_moe_triton import hot_moe_triton
+
+    case = hot_case(*shape, torch.bfloat16)
+    want = hot_moe_torch(*case)
+    got = hot_moe_triton(*(t.cuda() for t in case)).cpu()
+    assert float((got - want).norm() / want.norm()) < 1e-2
