@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
+import torch
 from conftest import make_hidden, make_routing, make_weights
 
 from kt_sglang import KTMoEWrapper
+from kt_sglang.engine.native import _native
 
 
 def test_capture_sizes_and_reuse():
@@ -29,3 +32,75 @@ def test_capture_sizes_and_reuse():
         KTMoEWrapper.clear_buffer_cache()
         KTMoEWrapper.set_capture_batch_sizes([])
     assert all(b.by_size == {} and b.spare is None for b in layer._sets.values())
+
+
+def _bf16_layer(E=8, k=2, H=256, I=192):
+    gate, up, down = make_weights(E, I, H)
+    layer = KTMoEWrapper(0, E, k, H, I, None, 2, 1, method="BF16")
+    layer.load_weights_from_tensors(gate.bfloat16(), up.bfloat16(), down.bfloat16())
+    return layer
+
+
+def test_stream_ordered_path_equals_direct_forward():
+    """submit/sync through the stream-ordered host functions (run at once without a CUDA driver,
+    on the stream with one) give the direct forward's output, both submission streams."""
+    layer = _bf16_layer()
+    for T in (1, 5, 16):
+        hidden, (ids, weights) = make_hidden(T, 256), make_routing(T, 8, 2, seed=T)
+        want = layer.forward(hidden, ids, weights)
+        for deferred in (False, True):
+            layer.submit_forward(hidden, ids, weights, cuda_stream=0, deferred=deferred)
+            got = layer.sync_forward(hidden, cuda_stream=0, deferred=deferred)
+            assert torch.equal(got, want), (T, deferred)
+
+
+def test_stream_ordered_batch_size_is_read_when_the_task_runs():
+    """The rows computed follow num_tokens (pinned memory read by the task), not the shapes seen at
+    submit: one captured graph serves smaller batches."""
+    layer = _bf16_layer()
+    KTMoEWrapper.set_capture_batch_sizes([8])
+    try:
+        hidden, (ids, weights) = make_hidden(8, 256), make_routing(8, 8, 2)
+        buf = layer._sets[False].by_size[8]
+        buf.out.fill_(7.0)
+        layer.submit_forward(
+            hidden, ids, weights, cuda_stream=0, num_tokens=torch.tensor([3], dtype=torch.int32)
+        )
+        got = layer.sync_forward(hidden, cuda_stream=0)
+        assert torch.equal(got[:3], layer.forward(hidden[:3], ids[:3], weights[:3]))
+        assert bool((got[3:] == 7.0).all())  # rows past the batch size were not touched
+        stream_forward = buf.stream_forward
+        for T in (8, 2, 8):  # the same native object and buffers every call: nothing allocated per call
+            layer.submit_forward(hidden[:T], ids[:T], weights[:T], cuda_stream=0)
+            layer.sync_forward(hidden, cuda_stream=0)
+        assert buf.stream_forward is stream_forward and layer._sets[False].spare is None
+    finally:
+        KTMoEWrapper.clear_buffer_cache()
+        KTMoEWrapper.set_capture_batch_sizes([])
+
+
+def test_stream_ordered_errors_are_raised():
+    layer = _bf16_layer()
+    hidden, (ids, weights) = make_hidden(4, 256), make_routing(4, 8, 2)
+    with pytest.raises(ValueError, match="num_tokens must be an int32 tensor"):
+        layer.submit_forward(hidden, ids, weights, cuda_stream=0, num_tokens=torch.tensor([4]))
+    with pytest.raises(ValueError, match="num_tokens is 5; the batch has 4 rows"):
+        layer.submit_forward(hidden, ids, weights, num_tokens=torch.tensor([5], dtype=torch.int32))
+    layer.submit_forward(hidden, ids, weights, cuda_stream=0, num_tokens=torch.tensor([9], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"batch size read at run time is 9, outside \[0, 4\]"):
+        layer.sync_forward(hidden, cuda_stream=0)
+    layer.submit_forward(hidden, ids, weights, cuda_stream=0)
+    with pytest.raises(RuntimeError, match="pass cuda_stream to sync_forward"):
+        layer.sync_forward(hidden)
+    got = layer.sync_forward(hidden, cuda_stream=0)  # still pending after the refused sync
+    assert torch.equal(got, layer.forward(hidden, ids, weights))
+
+
+def test_cuda_host_launch_matches_the_machine():
+    """The driver's host-function launch is found exactly when a CUDA driver is installed."""
+    import ctypes.util
+
+    has_driver = ctypes.util.find_library("cuda") is not None or torch.cuda.is_available()
+    assert _native.cuda_host_launch_available() == has_driver, _native.cuda_host_launch_status()
+    if not has_driver:
+        assert "no CUDA driver" in _native.cuda_host_launch_status()

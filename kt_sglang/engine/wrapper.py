@@ -25,6 +25,8 @@ class _Buffers:
     ids: torch.Tensor  # int64 [T, k]
     weights: torch.Tensor  # fp32 [T, k]
     out: torch.Tensor  # bf16 [T, H]
+    tokens: torch.Tensor  # int32 [1]: the batch size a stream-ordered task reads when it runs
+    stream_forward: object | None = None  # _native.StreamForward over these buffers, made on first use
 
     @classmethod
     def allocate(cls, tokens: int, hidden: int, top_k: int) -> _Buffers:
@@ -33,6 +35,7 @@ class _Buffers:
             _pin(torch.zeros(tokens, top_k, dtype=torch.int64)),
             _pin(torch.zeros(tokens, top_k, dtype=torch.float32)),
             _pin(torch.zeros(tokens, hidden, dtype=torch.bfloat16)),
+            _pin(torch.zeros(1, dtype=torch.int32)),
         )
 
     @property
@@ -124,7 +127,7 @@ class KTMoEWrapper:
         # Two submission streams: the layer's immediate experts and its deferred ones (which run
         # while the next layer computes), each with its own buffers and at most one pending task.
         self._sets = {False: _BufferSet({}), True: _BufferSet({})}
-        self._pending: dict[bool, tuple[_Buffers, int, int]] = {}
+        self._pending: dict[bool, tuple[_Buffers, int, int | None]] = {}  # task id; None: on a stream
         KTMoEWrapper._instances.add(self)
 
     # ----------------------------------------------------------------------------------------
@@ -306,24 +309,49 @@ class KTMoEWrapper:
         cuda_stream=None,
         *,
         deferred: bool = False,
+        num_tokens: torch.Tensor | None = None,
     ) -> None:
         """Copies the inputs to host buffers and enqueues the layer; returns at once.
 
         ``deferred=True`` uses a second stream of buffers, so a layer can have its deferred experts
         pending while its immediate ones are submitted and synced.
+
+        With ``cuda_stream`` (the current CUDA stream, as ``torch.cuda.Stream`` or its handle) every
+        step is ordered on that stream and nothing waits on the host: the device-to-host copies,
+        then a host function that enqueues the layer, reading the batch size from pinned memory when
+        it runs. ``num_tokens`` (an int32 tensor ``[1]`` on the inputs' device) is that batch size,
+        all rows by default: a CUDA graph captured at one size replays for fewer tokens when the
+        caller writes the count there. Without a CUDA driver the same path runs synchronously.
         """
         if deferred in self._pending:
             raise RuntimeError(f"layer {self.layer_idx}: submit_forward called twice without sync_forward")
         T = self._check_inputs(hidden_states, topk_ids, topk_weights)
+        if num_tokens is not None and (
+            not isinstance(num_tokens, torch.Tensor)
+            or num_tokens.dtype != torch.int32
+            or num_tokens.numel() != 1
+        ):
+            raise ValueError(f"num_tokens must be an int32 tensor of one element, got {num_tokens!r}")
         buf = self._buffers_for(T, deferred)
-        buf.hidden[:T].copy_(hidden_states, non_blocking=cuda_stream is not None)
-        buf.ids[:T].copy_(topk_ids, non_blocking=cuda_stream is not None)
-        buf.weights[:T].copy_(topk_weights, non_blocking=cuda_stream is not None)
-        if cuda_stream is not None and hidden_states.is_cuda:
+        stream = self._stream_handle(cuda_stream, hidden_states)
+        buf.hidden[:T].copy_(hidden_states, non_blocking=stream is not None)
+        buf.ids[:T].copy_(topk_ids, non_blocking=stream is not None)
+        buf.weights[:T].copy_(topk_weights, non_blocking=stream is not None)
+        if stream is not None:
+            if num_tokens is None:
+                num_tokens = torch.full((1,), T, dtype=torch.int32, device=hidden_states.device)
+            buf.tokens.copy_(num_tokens.reshape(1), non_blocking=True)
+            self._stream_forward(buf).submit(stream)
+            self._pending[deferred] = (buf, T, None)
+            return
+        if hidden_states.is_cuda:
             torch.cuda.current_stream().synchronize()
+        rows = T if num_tokens is None else int(num_tokens.reshape(-1)[0])
+        if not 0 <= rows <= T:
+            raise ValueError(f"num_tokens is {rows}; the batch has {T} rows")
         mask_ptr = self.gpu_experts_mask.data_ptr() if self.gpu_experts_mask is not None else 0
         task = self._layer.submit_forward(
-            T,
+            rows,
             0,
             buf.hidden.data_ptr(),
             buf.ids.data_ptr(),
@@ -338,14 +366,65 @@ class KTMoEWrapper:
     def sync_forward(
         self, hidden_states: torch.Tensor | None = None, cuda_stream=None, *, deferred: bool = False
     ) -> torch.Tensor:
-        """Waits for this layer's submitted forward and returns its output (on the input's device)."""
+        """Waits for this layer's submitted forward and returns its output (on the input's device).
+
+        After a stream-ordered submit the wait is a host function on ``cuda_stream`` too, and the
+        copy back to the device follows it on that stream.
+        """
         if deferred not in self._pending:
             raise RuntimeError(f"layer {self.layer_idx}: sync_forward without submit_forward")
-        buf, T, task = self._pending.pop(deferred)
-        self._runner.wait(task)
+        buf, T, task = self._pending[deferred]
+        stream = self._stream_handle(cuda_stream, hidden_states, required=task is None)
+        del self._pending[deferred]
         device = hidden_states.device if hidden_states is not None else torch.device("cpu")
         out = buf.out[:T]
+        if task is None:
+            buf.stream_forward.sync(stream)
+            if device.type != "cpu":
+                return out.to(device, non_blocking=True)
+            if _native.cuda_host_launch_available():  # the host function ran on the stream: wait for it
+                torch.cuda.ExternalStream(stream).synchronize()
+            return out.clone()
+        self._runner.wait(task)
         return out.to(device, non_blocking=True) if device.type != "cpu" else out.clone()
+
+    def _stream_handle(self, cuda_stream, tensor: torch.Tensor | None, required: bool = False) -> int | None:
+        """The raw handle of ``cuda_stream``, which must be torch's current stream for CUDA inputs
+        (the copies are issued there)."""
+        if cuda_stream is None:
+            if required:
+                raise RuntimeError(
+                    f"layer {self.layer_idx}: submitted on a CUDA stream; pass cuda_stream to sync_forward"
+                )
+            return None
+        handle = int(getattr(cuda_stream, "cuda_stream", cuda_stream))
+        if (
+            tensor is not None
+            and tensor.is_cuda
+            and handle != torch.cuda.current_stream(tensor.device).cuda_stream
+        ):
+            raise ValueError(
+                f"layer {self.layer_idx}: cuda_stream {handle:#x} is not the current stream of "
+                f"{tensor.device}; call inside `with torch.cuda.stream(...)`"
+            )
+        return handle
+
+    def _stream_forward(self, buf: _Buffers):
+        if buf.stream_forward is None:
+            mask_ptr = self.gpu_experts_mask.data_ptr() if self.gpu_experts_mask is not None else 0
+            buf.stream_forward = _native.StreamForward(
+                self._layer,
+                self._runner,
+                buf.tokens.data_ptr(),
+                buf.capacity,
+                buf.hidden.data_ptr(),
+                buf.ids.data_ptr(),
+                True,
+                buf.weights.data_ptr(),
+                mask_ptr,
+                buf.out.data_ptr(),
+            )
+        return buf.stream_forward
 
     def _check_inputs(self, hidden_states, topk_ids, topk_weights) -> int:
         E, k, H = self.num_experts, self.num_experts_per_tok, self.hidden_size

@@ -6,8 +6,10 @@ to that layer's output. Layers are linked explicitly (``next_moe``): dense layer
 MoE layers, and the last MoE layer defers nothing. A chain holds at most the one pending deferred
 task; a layer that is not its producer's successor (a new or aborted pass) drains it and drops it.
 
-This is the torch path (CPU device, or any device with host round trips); stream-ordered CUDA
-submission and graph capture build on the same split and chain.
+On CUDA the split and the hot experts run as Triton kernels and the CPU engine's submit and sync
+are host functions on the current stream: a forward never waits on the host, so a whole step with
+CPU experts and deferral can be captured in one CUDA graph. On the CPU device the same code runs
+the torch twins and the engine directly.
 """
 
 from __future__ import annotations
@@ -30,17 +32,24 @@ class DeferralChain:
             raise RuntimeError("a deferred task is already pending: take() it before putting another")
         self._producer = producer
 
-    def drop_stale(self, consumer: HybridMoELayer) -> None:
+    def drop_stale(self, consumer: HybridMoELayer, hidden: torch.Tensor) -> None:
         """Drains and drops a pending task that ``consumer`` must not add (a new or aborted pass)."""
         if self._producer is not None and self._producer.next_moe is not consumer:
-            self._producer.experts.sync_forward(deferred=True)
+            self._producer.experts.sync_forward(hidden, _stream_of(hidden), deferred=True)
             self._producer = None
 
-    def take(self, consumer: HybridMoELayer) -> torch.Tensor | None:
+    def take(self, consumer: HybridMoELayer, hidden: torch.Tensor) -> torch.Tensor | None:
         """The pending deferred output if ``consumer`` follows its producer; drained either way."""
-        self.drop_stale(consumer)
+        self.drop_stale(consumer, hidden)
         producer, self._producer = self._producer, None
-        return producer.experts.sync_forward(deferred=True) if producer is not None else None
+        if producer is None:
+            return None
+        return producer.experts.sync_forward(hidden, _stream_of(hidden), deferred=True)
+
+
+def _stream_of(hidden: torch.Tensor) -> torch.cuda.Stream | None:
+    """The stream the engine's host functions are ordered on: torch's current one, on CUDA."""
+    return torch.cuda.current_stream(hidden.device) if hidden.is_cuda else None
 
 
 class HybridMoELayer(torch.nn.Module):
@@ -88,18 +97,28 @@ class HybridMoELayer(torch.nn.Module):
         return hot_moe(hidden, self.w13, self.w2, slot_ids, weights)
 
     def forward(
-        self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+        self,
+        hidden: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        num_tokens: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        self.chain.drop_stale(self)  # before our own deferred submission reuses the buffers
+        """``num_tokens`` (int32 ``[1]`` on the device): rows the CPU engine computes, all by
+        default; under a CUDA graph captured at a larger size, the replay's real batch size."""
+        stream = _stream_of(hidden)
+        self.chain.drop_stale(self, hidden)  # before our own deferred submission reuses the buffers
         max_deferred = self.max_deferred if self.next_moe is not None else 0
         split = split_routing(topk_ids, topk_weights, self.gpu_slot_of, max_deferred)
-        self.experts.submit_forward(hidden, split.cold_ids, topk_weights)
-        defer = max_deferred > 0 and bool((split.deferred_ids >= 0).any())
+        self.experts.submit_forward(hidden, split.cold_ids, topk_weights, stream, num_tokens=num_tokens)
+        # Without host syncs on CUDA (graph capture): submit the deferred task even when it is empty.
+        defer = max_deferred > 0 and (hidden.is_cuda or bool((split.deferred_ids >= 0).any()))
         if defer:
-            self.experts.submit_forward(hidden, split.deferred_ids, topk_weights, deferred=True)
+            self.experts.submit_forward(
+                hidden, split.deferred_ids, topk_weights, stream, deferred=True, num_tokens=num_tokens
+            )
         out = self.hot_forward(hidden, split.hot_ids, topk_weights)
-        out += self.experts.sync_forward(hidden).float()
-        previous = self.chain.take(self)
+        out += self.experts.sync_forward(hidden, stream).float()
+        previous = self.chain.take(self, hidden)
         if previous is not None:
             out += previous.float()
         if defer:

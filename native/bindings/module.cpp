@@ -4,11 +4,13 @@
 #include <pybind11/stl.h>
 
 #include "kt/cpu_features.h"
+#include "kt/cuda_host.h"
 #include "kt/kernels.h"
 #include "kt/membench.h"
 #include "kt/moe_layer.h"
 #include "kt/quantize.h"
 #include "kt/runner.h"
+#include "kt/stream_forward.h"
 #include "kt/topology.h"
 
 namespace py = pybind11;
@@ -172,6 +174,24 @@ PYBIND11_MODULE(_native, m) {
       .def_property_readonly("group", [](const MoeLayer& l) { return l.config().group; })
       .def_property_readonly("packed_bytes", &MoeLayer::packed_bytes)
       .def_property_readonly("pool_slices", &MoeLayer::pool_slices);
+
+  m.def("cuda_host_launch_available", &cuda_host_launch_available);
+  m.def("cuda_host_launch_status", &cuda_host_launch_status);
+  py::class_<StreamForward>(m, "StreamForward")
+      .def(py::init([](MoeLayer& layer, std::shared_ptr<Runner> runner, uintptr_t tokens_ptr,
+                       int64_t max_tokens, uintptr_t hidden, uintptr_t ids, bool ids_int64, uintptr_t weights,
+                       uintptr_t mask, uintptr_t out) {
+             ForwardArgs a;
+             a.tokens_ptr = ptr<const int32_t>(tokens_ptr), a.max_tokens = max_tokens;
+             a.hidden = ptr<const uint16_t>(hidden), a.expert_ids = ptr<const void>(ids);
+             a.ids_int64 = ids_int64, a.weights = ptr<const float>(weights);
+             a.skip_mask = ptr<const bool>(mask), a.out = ptr<uint16_t>(out);
+             return std::make_unique<StreamForward>(layer, std::move(runner), a);
+           }),
+           py::keep_alive<1, 2>())
+      .def("submit", &StreamForward::submit, py::arg("stream"), py::call_guard<py::gil_scoped_release>())
+      .def("sync", &StreamForward::sync, py::arg("stream"), py::call_guard<py::gil_scoped_release>())
+      .def("check", &StreamForward::check);
 
   m.def(
       "quantize_matrix",

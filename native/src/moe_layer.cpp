@@ -287,10 +287,13 @@ void MoeLayer::forward_task(const ForwardArgs& args, const WorkerContext& ctx) {
 
   if (ctx.tid == 0) {
     ws.tokens = args.tokens_ptr ? *args.tokens_ptr : args.tokens;
-    ws.bad_batch = ws.tokens < 0;
+    ws.bad_batch = ws.tokens < 0 || (args.max_tokens > 0 && ws.tokens > args.max_tokens);
     if (ws.bad_batch) {
-      runner_->record_error(std::make_exception_ptr(
-          std::invalid_argument("forward: the batch size read at run time is negative")));
+      const std::string bound =
+          args.max_tokens > 0 ? "outside [0, " + std::to_string(args.max_tokens) + "] (the buffers' capacity)"
+                              : "negative";
+      runner_->record_error(std::make_exception_ptr(std::invalid_argument(
+          "forward: the batch size read at run time is " + std::to_string(ws.tokens) + ", " + bound)));
     }
     grow(ws.pools, static_cast<size_t>(P));
   }

@@ -28,6 +28,7 @@ struct MoeWorkspace;
 struct ForwardArgs {
   int64_t tokens = 0;                   // used when tokens_ptr is null
   const int32_t* tokens_ptr = nullptr;  // read when the task runs (one captured graph, any batch)
+  int64_t max_tokens = 0;               // with tokens_ptr: the buffers' capacity (0: unchecked)
   const uint16_t* hidden = nullptr;     // bf16 [tokens, hidden]
   const void* expert_ids = nullptr;     // int32 or int64 [tokens, top_k]; -1 = skip
   bool ids_int64 = false;
