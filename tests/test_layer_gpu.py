@@ -1,0 +1,132 @@
+"""The hybrid layer on a CUDA device: Triton split and hot experts, the CPU engine's submit and sync
+as host functions on a non-default stream, a CUDA graph of a whole step with deferral replayed at
+the captured size and a smaller one, and the overlap of the two parts. Skipped without a GPU."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import pytest
+import torch
+from conftest import make_hidden, make_routing
+from test_layer_hybrid import E, H, HOT_SETS, K, build_stack
+
+from kt_sglang import KTMoEWrapper
+from kt_sglang.engine.native import _native
+from kt_sglang.engine.reference import relative_error
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def to_cuda(layers):
+    for layer in layers:
+        layer.gpu_slot_of = layer.gpu_slot_of.cuda()
+        layer.w13, layer.w2 = layer.w13.cuda(), layer.w2.cuda()
+    return layers
+
+
+def run_step(layers, x, routes, num_tokens=None):
+    h = x
+    for layer, (ids, weights) in zip(layers, routes, strict=True):
+        h = layer(h, ids, weights, num_tokens)
+    return h
+
+
+def step_inputs(tokens: int, seed: int = 0):
+    x = make_hidden(tokens, H, seed=seed)
+    routes = [make_routing(tokens, E, K, seed=seed + 60 + n, skip_fraction=0.05) for n in range(3)]
+    return x, routes
+
+
+def cuda_inputs(x, routes):
+    return x.cuda(), [(ids.cuda(), w.cuda()) for ids, w in routes]
+
+
+def test_host_launch_uses_the_driver():
+    assert _native.cuda_host_launch_available(), _native.cuda_host_launch_status()
+
+
+@pytest.mark.parametrize("max_deferred", [0, 1, 3])
+@pytest.mark.parametrize("hot_name", sorted(HOT_SETS))
+def test_stack_on_a_side_stream_equals_cpu_device(hot_name, max_deferred):
+    cpu_layers, _ = build_stack(HOT_SETS[hot_name], max_deferred)
+    gpu_layers = to_cuda(build_stack(HOT_SETS[hot_name], max_deferred)[0])
+    x, routes = step_inputs(21)
+    want = run_step(cpu_layers, x, routes)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        got = run_step(gpu_layers, *cuda_inputs(x, routes))
+    stream.synchronize()
+    assert relative_error(got.cpu(), want) <= 0.01
+
+
+def test_cuda_graph_of_a_step_with_deferral_replays_at_smaller_sizes():
+    captured = 8
+    layers = to_cuda(build_stack(HOT_SETS["half-hot"], max_deferred=1)[0])
+    KTMoEWrapper.set_capture_batch_sizes([captured])
+    try:
+        x, routes = cuda_inputs(*step_inputs(captured))
+        num_tokens = torch.tensor([captured], dtype=torch.int32, device="cuda")
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm up: Triton compiles, buffers exist before capture
+                run_step(layers, x, routes, num_tokens)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = run_step(layers, x, routes, num_tokens)
+        for tokens, seed in ((captured, 1), (5, 2), (1, 3)):
+            new_x, new_routes = cuda_inputs(*step_inputs(tokens, seed))
+            x[:tokens].copy_(new_x)
+            for (ids, w), (new_ids, new_w) in zip(routes, new_routes, strict=True):
+                ids[:tokens].copy_(new_ids)
+                w[:tokens].copy_(new_w)
+            num_tokens.fill_(tokens)
+            graph.replay()
+            torch.cuda.synchronize()
+            eager = run_step(layers, new_x, new_routes)
+            torch.cuda.synchronize()
+            assert relative_error(out[:tokens].cpu(), eager.cpu()) <= 0.01, tokens
+    finally:
+        KTMoEWrapper.clear_buffer_cache()
+        KTMoEWrapper.set_capture_batch_sizes([])
+
+
+def median_ms(fn, repeats: int = 30) -> float:
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
+
+
+def test_cpu_and_gpu_parts_overlap():
+    """With both parts busy the layer takes at most 15% more than the slower part alone (ratio of
+    medians measured in the same run)."""
+    layer = to_cuda(build_stack([set(range(E // 2))], max_deferred=0)[0])[0]
+    tokens = 64
+    x = make_hidden(tokens, H).cuda()
+    ids, weights = make_routing(tokens, E, K)
+    ids, weights = ids.cuda(), weights.cuda()
+    from kt_sglang.kernels import split_routing
+
+    split = split_routing(ids, weights, layer.gpu_slot_of, 0)
+    stream = torch.cuda.current_stream()
+
+    def cpu_only():
+        layer.experts.submit_forward(x, split.cold_ids, weights, stream)
+        layer.experts.sync_forward(x, stream)
+
+    def gpu_only():
+        layer.hot_forward(x, split.hot_ids, weights)
+
+    for fn in (cpu_only, gpu_only, lambda: layer(x, ids, weights)):
+        fn()  # warm up
+    both = median_ms(lambda: layer(x, ids, weights))
+    slower = max(median_ms(cpu_only), median_ms(gpu_only))
+    assert both <= 1.15 * slower, f"layer {both:.3f} ms, slower part alone {slower:.3f} ms"
