@@ -1,12 +1,14 @@
-"""Decode step of a stack of hybrid MoE layers on the CPU device (issue 4's CPU-only benchmark).
+"""Decode step of a stack of hybrid MoE layers, on the CPU device or with the hot part on a GPU.
 
-    python bench/bench_hybrid.py [--layers 4] [--tokens 1] [--method AMXINT4] [--out FILE]
+    python bench/bench_hybrid.py [--layers 4] [--tokens 1] [--method AMXINT4] [--device cpu|cuda]
+                                 [--out FILE]
 
 Qwen3-30B-A3B layer shapes (H 2048, I 768, 128 experts, top-8), a few layers. For each hot fraction
 (0 / 25 / 50%) and deferral (0, 1, 2, 4): median time of a whole step, the deferral speedup against
 deferral 0, and the overlap of the hot ("GPU") part with the CPU engine:
 overlap = (t_hot_only + t_cpu_only - t_step) / min(t_hot_only, t_cpu_only). On a CPU-only machine both
-parts share the same cores, so little overlap is possible; the numbers say how much.
+parts share the same cores, so little overlap is possible; the numbers say how much. With
+``--device cuda`` the hot experts and the split run as Triton kernels and the engine in stream order.
 """
 
 from __future__ import annotations
@@ -21,13 +23,13 @@ import torch
 
 from kt_sglang import KTMoEWrapper
 from kt_sglang.engine.pools import physical_cores
-from kt_sglang.kernels import hot_moe_torch, split_routing_torch
+from kt_sglang.kernels import hot_moe, split_routing
 from kt_sglang.layer import DeferralChain, HybridMoELayer
 
 H, I, E, K = 2048, 768, 128, 8
 
 
-def build(n_layers: int, hot_fraction: float, deferral: int, method: str, sources):
+def build(n_layers: int, hot_fraction: float, deferral: int, sources, device: str):
     chain = DeferralChain()
     layers = []
     n_hot = int(E * hot_fraction)
@@ -35,8 +37,9 @@ def build(n_layers: int, hot_fraction: float, deferral: int, method: str, source
         gate, up, down, experts = sources[n]
         slot_of = torch.full((E,), -1)
         slot_of[:n_hot] = torch.arange(n_hot)
-        w13 = torch.cat([gate[:n_hot], up[:n_hot]], 1)
-        layers.append(HybridMoELayer(experts, slot_of, w13, down[:n_hot], chain, deferral))
+        w13 = torch.cat([gate[:n_hot], up[:n_hot]], 1).to(device)
+        layer = HybridMoELayer(experts, slot_of.to(device), w13, down[:n_hot].to(device), chain, deferral)
+        layers.append(layer)
     HybridMoELayer.link(layers)
     return layers
 
@@ -44,10 +47,14 @@ def build(n_layers: int, hot_fraction: float, deferral: int, method: str, source
 def step_time(layers, x, routes, repeats: int) -> float:
     times = []
     for _ in range(repeats):
+        if x.is_cuda:
+            torch.cuda.synchronize()
         t = time.perf_counter()
         h = x
         for layer, (ids, w) in zip(layers, routes, strict=True):
             h = layer(h, ids, w)
+        if x.is_cuda:
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
     return statistics.median(times)
 
@@ -58,6 +65,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=1)
     p.add_argument("--method", default="AMXINT4")
     p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     torch.set_num_threads(physical_cores())
@@ -70,27 +78,29 @@ def main() -> None:
         experts = KTMoEWrapper(n, E, K, H, I, None, physical_cores(), 1, method=args.method)
         experts.load_weights_from_tensors(gate, up, down)
         sources.append((gate, up, down, experts))
-    x = torch.randn(args.tokens, H, generator=gen).bfloat16()
+    x = torch.randn(args.tokens, H, generator=gen).bfloat16().to(args.device)
     routes = []
     for _ in range(args.layers):
         ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(args.tokens)])
-        routes.append((ids, torch.softmax(torch.randn(args.tokens, K, generator=gen), -1)))
+        weights = torch.softmax(torch.randn(args.tokens, K, generator=gen), -1)
+        routes.append((ids.to(args.device), weights.to(args.device)))
     rows = []
     for hot in (0.0, 0.25, 0.5):
         base = None
         for deferral in (0, 1, 2, 4):
-            layers = build(args.layers, hot, deferral, args.method, sources)
+            layers = build(args.layers, hot, deferral, sources, args.device)
             step_time(layers, x, routes, 2)
             t = step_time(layers, x, routes, args.repeats)
             base = base or t
             rows.append({"hot_fraction": hot, "deferral": deferral, "step_ms": t * 1e3, "speedup": base / t})
     # Overlap at 50% hot, deferral 0: each part alone, then together.
-    half_layers = build(args.layers, 0.5, 0, args.method, sources)
+    half_layers = build(args.layers, 0.5, 0, sources, args.device)
     step = next(r["step_ms"] for r in rows if r["hot_fraction"] == 0.5 and r["deferral"] == 0) / 1e3
     hot_alone = step_time([_Part(layer, hot=True) for layer in half_layers], x, routes, args.repeats)
     cpu_alone = step_time([_Part(layer, hot=False) for layer in half_layers], x, routes, args.repeats)
     overlap = (hot_alone + cpu_alone - step) / min(hot_alone, cpu_alone)
     result = {
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         "method": args.method,
         "layers": args.layers,
         "tokens": args.tokens,
@@ -102,7 +112,9 @@ def main() -> None:
             "overlap": overlap,
         },
     }
-    print(f"{args.layers} layers, T={args.tokens}, {args.method}, {physical_cores()} cores")
+    print(
+        f"{args.layers} layers, T={args.tokens}, {args.method}, {physical_cores()} cores, {result['device']}"
+    )
     print("| hot | deferral | step ms | speedup vs deferral 0 |")
     print("|---|---|---|---|")
     for r in rows:
@@ -123,10 +135,11 @@ class _Part:
         self.layer, self.hot = layer, hot
 
     def __call__(self, h, ids, w):
-        split = split_routing_torch(ids, w, self.layer.gpu_slot_of, 0)
+        split = split_routing(ids, w, self.layer.gpu_slot_of, 0)
         if self.hot:
-            return hot_moe_torch(h, self.layer.w13, self.layer.w2, split.hot_ids, w).to(h.dtype)
-        return self.layer.experts.forward(h, split.cold_ids, w)
+            return hot_moe(h, self.layer.w13, self.layer.w2, split.hot_ids, w).to(h.dtype)
+        stream = torch.cuda.current_stream() if h.is_cuda else None
+        return self.layer.experts.forward(h, split.cold_ids, w, stream)
 
 
 if __name__ == "__main__":
