@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 from conftest import make_hidden, make_routing
-from test_layer_hybrid import E, H, HOT_SETS, K, build_stack
+from test_layer_hybrid import HOT_SETS, E, H, K, build_stack
 
 from kt_sglang import KTMoEWrapper
 from kt_sglang.engine.native import _native

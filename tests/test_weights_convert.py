@@ -50,31 +50,72 @@ def digest(directory: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir())}
 
 
-@pytest.mark.parametrize("quant", ["int4", "int8"])
-def test_converted_equals_quantize_on_load(tmp_path, checkpoint, quant):
-    out = tmp_path / f"cpu-{quant}"
-    r = convert(
-        "--input-path", str(checkpoint), "--input-type", "bf16", "--output", str(out), "--quant-method", quant
-    )
-    assert r.returncode == 0, r.stderr
-    assert sorted(p.name for p in out.iterdir()) == [
-        "kt_weights.json",
-        "layer-00001.safetensors",
-        "layer-00002.safetensors",
-    ]
-    method = {"int4": "AMXINT4", "int8": "AMXINT8"}[quant]
+def engine_output(weight_path: Path, method: str) -> torch.Tensor:
     x = make_hidden(20, H)
     ids, wts = make_routing(20, E, K)
-    outputs = []
-    for path in (checkpoint, out):
-        w = KTMoEWrapper(2, E, K, H, I, None, 2, 1, weight_path=str(path), method=method)
-        w.load_weights()
-        outputs.append(w.forward(x, ids, wts))
-    assert torch.equal(outputs[0], outputs[1])
+    w = KTMoEWrapper(2, E, K, H, I, None, 2, 1, weight_path=str(weight_path), method=method)
+    w.load_weights()
+    return w.forward(x, ids, wts)
+
+
+@pytest.mark.parametrize("merge", [True, False], ids=["merged", "per-layer"])
+@pytest.mark.parametrize("quant", ["int4", "int8"])
+def test_converted_equals_quantize_on_load(tmp_path, checkpoint, quant, merge):
+    out = tmp_path / f"cpu-{quant}"
+    args = convert_args(checkpoint, out, quant) + ([] if merge else ["--no-merge-safetensor"])
+    r = convert(*args)
+    assert r.returncode == 0, r.stderr
+    files = sorted(p.name for p in out.iterdir())
+    if merge:
+        assert files == [
+            "experts-00001-of-00001.safetensors",
+            "kt_weights.json",
+            "model.safetensors.index.json",
+        ]
+    else:
+        assert files == ["kt_weights.json", "layer-00001.safetensors", "layer-00002.safetensors"]
+    method = {"int4": "AMXINT4", "int8": "AMXINT8"}[quant]
+    assert torch.equal(engine_output(checkpoint, method), engine_output(out, method))
+
+
+def test_merge_into_several_shards_and_resume_an_interrupted_merge(tmp_path, checkpoint):
+    """Shards of whole layers with an index; the per-layer files go only once the index exists, so
+    a merge cut short is merged again, byte-identical."""
+    from kt_sglang.weights.canonical_files import Manifest, merge_layers, read_index
+
+    per_layer = tmp_path / "per-layer"
+    assert convert(*convert_args(checkpoint, per_layer, "int4"), "--no-merge-safetensor").returncode == 0
+    manifest = Manifest.read(per_layer)
+    one_layer = (per_layer / "layer-00001.safetensors").stat().st_size
+    merged = tmp_path / "merged"
+    shutil.copytree(per_layer, merged)
+    shards = merge_layers(merged, manifest, shard_bytes=one_layer)  # one layer per shard
+    assert [p.name for p in shards] == [
+        "experts-00001-of-00002.safetensors",
+        "experts-00002-of-00002.safetensors",
+    ]
+    index = read_index(merged)
+    assert index["layers.1.experts.0.gate.weight"] == shards[0].name
+    assert index["layers.2.experts.7.down.scales"] == shards[1].name
+    assert not list(merged.glob("layer-*"))
+    assert torch.equal(engine_output(per_layer, "AMXINT4"), engine_output(merged, "AMXINT4"))
+    # Cut short after the first shard: no index yet, the per-layer files are all still there.
+    cut = tmp_path / "cut"
+    shutil.copytree(per_layer, cut)
+    shutil.copy(shards[0], cut / shards[0].name)
+    merge_layers(cut, manifest, shard_bytes=one_layer)
+    assert digest(cut) == digest(merged)
 
 
 def test_rerun_and_interrupted_run_are_byte_identical(tmp_path, checkpoint):
     args = ["--input-path", str(checkpoint), "--input-type", "bf16", "--quant-method", "int4"]
+    merged = tmp_path / "merged"
+    assert convert(*args, "--output", str(merged)).returncode == 0
+    before = digest(merged)
+    r = convert(*args, "--output", str(merged))  # a merged output is complete: nothing to do
+    assert r.returncode == 0 and "0 layers converted, 2 already complete" in r.stdout
+    assert digest(merged) == before
+    args.append("--no-merge-safetensor")
     whole = tmp_path / "whole"
     assert convert(*args, "--output", str(whole)).returncode == 0
     expected = digest(whole)
@@ -171,6 +212,7 @@ def test_killed_mid_run_then_rerun_is_identical_and_memory_streams(tmp_path):
         "int4",
         "--cpuinfer-threads",
         "1",
+        "--no-merge-safetensor",  # measures the streaming conversion; the merge holds one shard
     ]
     whole = tmp_path / "whole"
     proc = subprocess.Popen([*base, "--output", str(whole)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -223,7 +265,7 @@ def test_disk_full_leaves_nothing_partial(tmp_path, checkpoint, monkeypatch):
 
     monkeypatch.setattr(files, "save_file", save_then_fail)
     out = tmp_path / "full"
-    argv = convert_args(checkpoint, out, "int4")
+    argv = convert_args(checkpoint, out, "int4") + ["--no-merge-safetensor"]
     assert build_parser().parse_args(argv).output == str(out)
     assert main(argv) == 2
     assert sorted(p.name for p in out.iterdir()) == ["kt_weights.json", "layer-00001.safetensors"]

@@ -1,10 +1,16 @@
 """The canonical CPU weight format on disk (docs/weight-format.md).
 
-A directory with ``kt_weights.json`` (the manifest) and one safetensors file per MoE layer,
-``layer-{L:05d}.safetensors``, holding ``experts.{e}.{gate,up,down}.{weight,scales,mins}`` in the
-layout of ``kt_sglang.engine.canonical``. Independent of ISA, tile layout and NUMA count: the engine
-repacks at load. Files are written under a temporary name and renamed, so a file that exists is
-complete.
+A directory with ``kt_weights.json`` (the manifest) and the experts in one of two layouts:
+
+- per layer: ``layer-{L:05d}.safetensors`` holding ``experts.{e}.{gate,up,down}.{weight,scales,mins}``
+  (what the converter writes layer by layer, and keeps with ``--no-merge-safetensor``);
+- merged: shards ``experts-{i:05d}-of-{n:05d}.safetensors`` of whole layers, tensors named
+  ``layers.{L}.experts.{e}...``, and ``model.safetensors.index.json`` mapping each tensor to its
+  shard. The index is written last: when it exists, the merge is complete.
+
+Tensors are in the layout of ``kt_sglang.engine.canonical``, independent of ISA, tile layout and
+NUMA count: the engine repacks at load. Files are written under a temporary name and renamed, so a
+file that exists is complete.
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ VERSION = 1
 MANIFEST = "kt_weights.json"
 PROJECTIONS = ("gate", "up", "down")
 METADATA_KEY = "kt_sglang"
+INDEX = "model.safetensors.index.json"
+SHARD_BYTES = 2 * 2**30  # whole layers per shard up to this size (the merge holds one shard in memory)
 
 
 @dataclass
@@ -73,6 +81,19 @@ def layer_file(layer: int) -> str:
     return f"layer-{layer:05d}.safetensors"
 
 
+def _save_atomic(tensors: dict[str, torch.Tensor], final: Path, header: dict) -> None:
+    # One metadata key: safetensors writes its metadata map in hash order, which changes from run
+    # to run; a single sorted JSON string keeps reruns byte-identical.
+    metadata = {METADATA_KEY: json.dumps(header, sort_keys=True)}
+    tmp = final.with_name(final.name + ".tmp")
+    try:
+        save_file(tensors, str(tmp), metadata=metadata)
+        os.replace(tmp, final)
+    except OSError as exc:  # disk full, permissions: leave nothing that looks written
+        tmp.unlink(missing_ok=True)
+        raise OSError(exc.errno, f"writing {final} failed ({exc.strerror or exc}); rerun to resume") from exc
+
+
 def write_layer(
     directory: Path, manifest: Manifest, layer: int, experts: list[dict[str, CanonicalMatrix]]
 ) -> Path:
@@ -85,8 +106,6 @@ def write_layer(
                 t = getattr(m, part)
                 if t is not None:
                     tensors[f"experts.{e}.{proj}.{part}"] = t.contiguous()
-    # One metadata key: safetensors writes its metadata map in hash order, which changes from run
-    # to run; a single sorted JSON string keeps reruns byte-identical.
     header = {
         "format": FORMAT,
         "version": VERSION,
@@ -95,20 +114,89 @@ def write_layer(
         "layer": layer,
         "num_experts": len(experts),
     }
-    metadata = {METADATA_KEY: json.dumps(header, sort_keys=True)}
     final = directory / layer_file(layer)
-    tmp = directory / (layer_file(layer) + ".tmp")
-    try:
-        save_file(tensors, str(tmp), metadata=metadata)
-        os.replace(tmp, final)
-    except OSError as exc:  # disk full, permissions: leave nothing that looks written
-        tmp.unlink(missing_ok=True)
-        raise OSError(exc.errno, f"writing {final} failed ({exc.strerror or exc}); rerun to resume") from exc
+    _save_atomic(tensors, final, header)
     return final
 
 
+def read_index(directory: Path) -> dict[str, str] | None:
+    """The merged layout's tensor -> shard map, None for the per-layer layout."""
+    path = Path(directory) / INDEX
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())["weight_map"]
+    except (ValueError, KeyError) as exc:
+        raise ValueError(f"{path} is not a valid index ({exc}); delete it and rerun the converter") from None
+
+
+def _first_tensor(layer: int) -> str:
+    return f"layers.{layer}.experts.0.gate.weight"
+
+
+def merge_layers(directory: Path, manifest: Manifest, shard_bytes: int = SHARD_BYTES) -> list[Path]:
+    """Merges the per-layer files into shards of whole layers with an index, then removes them.
+
+    Holds one shard in memory. Safe to interrupt: the per-layer files go only after the index is
+    written, and a rerun merges again.
+    """
+    directory = Path(directory)
+    if read_index(directory) is not None:
+        return []
+    missing = [layer for layer in manifest.moe_layers if not layer_is_complete(directory, manifest, layer)]
+    if missing:
+        raise ValueError(f"{directory}: layers {missing} are not converted yet; rerun without --resume-layer")
+    groups: list[list[int]] = [[]]
+    size = 0
+    for layer in manifest.moe_layers:
+        layer_bytes = (directory / layer_file(layer)).stat().st_size
+        if groups[-1] and size + layer_bytes > shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(layer)
+        size += layer_bytes
+    weight_map: dict[str, str] = {}
+    shards = []
+    total = 0
+    for i, group in enumerate(groups, 1):
+        shard = directory / f"experts-{i:05d}-of-{len(groups):05d}.safetensors"
+        tensors = {}
+        for layer in group:
+            with safe_open(str(directory / layer_file(layer)), framework="pt") as f:
+                for name in f.keys():
+                    tensors[f"layers.{layer}.{name}"] = f.get_tensor(name)
+        header = {
+            "format": FORMAT,
+            "version": VERSION,
+            "method": manifest.method,
+            "group_size": manifest.group_size,
+            "layers": group,
+            "num_experts": manifest.num_experts,
+        }
+        _save_atomic(tensors, shard, header)
+        weight_map.update({name: shard.name for name in tensors})
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+        shards.append(shard)
+        del tensors
+    index = {
+        "metadata": {"format": FORMAT, "version": VERSION, "total_size": total},
+        "weight_map": weight_map,
+    }
+    tmp = directory / (INDEX + ".tmp")
+    tmp.write_text(json.dumps(index, indent=2, sort_keys=True))
+    os.replace(tmp, directory / INDEX)
+    for layer in manifest.moe_layers:
+        (directory / layer_file(layer)).unlink()
+    return shards
+
+
 def layer_is_complete(directory: Path, manifest: Manifest, layer: int) -> bool:
-    """True when the layer's file exists, opens, and carries the manifest's method, group and experts."""
+    """True when the layer is in the merged index, or its file exists, opens, and carries the
+    manifest's method, group and experts."""
+    index = read_index(directory)
+    if index is not None:
+        shard = index.get(_first_tensor(layer))
+        return shard is not None and (Path(directory) / shard).is_file()
     path = directory / layer_file(layer)
     if not path.is_file():
         return False
@@ -131,11 +219,18 @@ def read_layer(
     directory: Path, manifest: Manifest, layer: int, experts: list[int]
 ) -> dict[str, list[CanonicalMatrix]]:
     """The canonical matrices of the given experts, checked against the manifest's shapes."""
-    path = Path(directory) / layer_file(layer)
+    directory = Path(directory)
     if layer not in manifest.moe_layers:
         raise ValueError(
             f"layer {layer} is not an MoE layer of {directory} (MoE layers: {manifest.moe_layers})"
         )
+    index = read_index(directory)
+    if index is not None:
+        if _first_tensor(layer) not in index:
+            raise ValueError(f"{directory / INDEX} does not list layer {layer}: convert again")
+        path, prefix = directory / index[_first_tensor(layer)], f"layers.{layer}."
+    else:
+        path, prefix = directory / layer_file(layer), ""
     if not path.is_file():
         raise ValueError(f"{path} is missing: the conversion did not finish (rerun kt-sglang convert-cpu)")
     method = Method(manifest.method)
@@ -149,7 +244,7 @@ def read_layer(
                 layout = canonical_layout(method, manifest.group_size, *shapes[proj])
                 parts = {}
                 for part, (shape, dtype) in layout.items():
-                    name = f"experts.{e}.{proj}.{part}"
+                    name = f"{prefix}experts.{e}.{proj}.{part}"
                     if name not in names:
                         raise ValueError(f"{path.name}: tensor {name} is missing")
                     t = f.get_tensor(name)

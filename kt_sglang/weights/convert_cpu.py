@@ -2,7 +2,8 @@
 
 Streams layer by layer (peak memory: one layer's experts plus its output), writes each layer under a
 temporary name and renames it, and on a rerun (or with --resume-layer) skips the layers already
-complete after checking them. The flags are kt-kernel's, so existing commands carry over.
+complete after checking them; then merges the layer files into shards with an index (unless
+--no-merge-safetensor). The flags are kt-kernel's, so existing commands carry over.
 """
 
 from __future__ import annotations
@@ -19,10 +20,13 @@ from tqdm import tqdm
 from kt_sglang.engine.canonical import quantize
 from kt_sglang.engine.methods import Method, resolve_group
 from kt_sglang.weights.canonical_files import (
+    INDEX,
     MANIFEST,
     Manifest,
     dtype_name,
     layer_is_complete,
+    merge_layers,
+    read_index,
     sha256_text,
     write_layer,
 )
@@ -58,8 +62,8 @@ def build_parser(prog: str = "kt-sglang convert-cpu") -> argparse.ArgumentParser
     p.add_argument(
         "--no-merge-safetensor",
         action="store_true",
-        help="accepted for kt-kernel compatibility; the output is always one file per layer, "
-        "which loads as is",
+        help="keep one file per layer (loads as is) instead of merging them into shards of whole "
+        "layers with an index; the merge holds one shard (up to 2 GiB) in memory",
     )
     p.add_argument(
         "--resume-layer", type=int, default=None, help="start at this layer (earlier ones are checked)"
@@ -143,7 +147,11 @@ def convert(args: argparse.Namespace) -> Path:
             written += write_layer(out, manifest, layer, experts).stat().st_size
             del experts
     bar.close()
-    print(f"wrote {out} ({len(todo)} layers converted, {skipped} already complete)")
+    merged = ""
+    if not args.no_merge_safetensor and read_index(out) is None:
+        shards = merge_layers(out, manifest)
+        merged = f", merged into {len(shards)} shard(s) with {INDEX}"
+    print(f"wrote {out} ({len(todo)} layers converted, {skipped} already complete{merged})")
     return out
 
 
