@@ -1,4 +1,4 @@
-"""`kt-sglang`: version, doctor, demo, serve, chat, check-engine, bench, convert-cpu."""
+"""`kt-sglang`: version, doctor, demo, serve, chat, check-engine, bench, convert-cpu, convert-gpu."""
 
 from __future__ import annotations
 
@@ -13,6 +13,10 @@ def main(argv: list[str] | None = None) -> int:
         from kt_sglang.weights.convert_cpu import main as convert_cpu
 
         return convert_cpu(argv[1:])
+    if argv[:1] == ["convert-gpu"]:  # likewise `python -m kt_sglang.convert_gpu`
+        from kt_sglang.weights.convert_gpu import main as convert_gpu
+
+        return convert_gpu(argv[1:])
     parser = argparse.ArgumentParser(
         prog="kt-sglang",
         description="SGLang MoE serving with cold experts on the CPU engine of kt-sglang.",
@@ -21,6 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("version", help="print the version of kt-sglang and of what it runs on")
     sub.add_parser("doctor", help="check this machine: CPU paths, AMX, NUMA, Python packages, GPU")
     sub.add_parser("convert-cpu", help="quantize a checkpoint's experts into the canonical CPU format")
+    sub.add_parser("convert-gpu", help="quantize the routed experts for SGLang's GPU side (llmcompressor)")
     demo = sub.add_parser(
         "demo", help="serve a tiny MoE model made here with SGLang and CPU experts, send one chat request"
     )
