@@ -160,3 +160,38 @@ def test_without_llmcompressor_says_how_to_install(tmp_path):
         cwd=tmp_path,
     )
     assert r.returncode == 2 and INSTALL_HINT in r.stderr
+
+
+def test_only_routed_experts_are_quantized():
+    """The ignore list covers every other Linear of a DeepSeek / Qwen2-MoE shaped model: attention,
+    router, shared experts (and Qwen2's shared-expert gate), dense MLP layers, lm_head."""
+    import re
+
+    from kt_sglang.weights.convert_gpu import full_precision_modules
+
+    experts = [
+        f"model.layers.{L}.mlp.experts.{e}.{p}_proj"
+        for L in (1, 2)
+        for e in range(3)
+        for p in ("gate", "up", "down")
+    ]
+    others = [
+        "lm_head",
+        "model.layers.0.mlp.gate_proj",  # dense first layer
+        "model.layers.0.mlp.down_proj",
+        "model.layers.0.self_attn.q_a_proj",
+        "model.layers.1.self_attn.kv_b_proj",
+        "model.layers.1.mlp.gate",
+        "model.layers.1.mlp.shared_experts.up_proj",
+        "model.layers.2.mlp.shared_expert.down_proj",
+        "model.layers.2.mlp.shared_expert_gate",
+    ]
+    ignore = full_precision_modules(experts + others)
+
+    def ignored(name: str) -> bool:
+        return any(re.fullmatch(i[3:], name) if i.startswith("re:") else i == name for i in ignore)
+
+    assert not any(ignored(n) for n in experts)
+    assert all(ignored(n) for n in others), [n for n in others if not ignored(n)]
+    with pytest.raises(ValueError, match="no routed-expert Linear layers found"):
+        full_precision_modules(others)
