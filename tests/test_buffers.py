@@ -42,8 +42,8 @@ def _bf16_layer(E=8, k=2, H=256, I=192):
 
 
 def test_stream_ordered_path_equals_direct_forward():
-    """submit/sync through the stream-ordered host functions (run at once without a CUDA driver,
-    on the stream with one) give the direct forward's output, both submission streams."""
+    """submit/sync through the stream-ordered path (with CPU tensors its host functions run at once)
+    give the direct forward's output, both submission streams."""
     layer = _bf16_layer()
     for T in (1, 5, 16):
         hidden, (ids, weights) = make_hidden(T, 256), make_routing(T, 8, 2, seed=T)
@@ -90,10 +90,29 @@ def test_stream_ordered_errors_are_raised():
     with pytest.raises(ValueError, match=r"batch size read at run time is 9, outside \[0, 4\]"):
         layer.sync_forward(hidden, cuda_stream=0)
     layer.submit_forward(hidden, ids, weights, cuda_stream=0)
-    with pytest.raises(RuntimeError, match="pass cuda_stream to sync_forward"):
+    with pytest.raises(RuntimeError, match="pass the same cuda_stream"):
         layer.sync_forward(hidden)
     got = layer.sync_forward(hidden, cuda_stream=0)  # still pending after the refused sync
     assert torch.equal(got, layer.forward(hidden, ids, weights))
+
+
+@pytest.mark.skipif(
+    _native.cuda_host_launch_available(),
+    reason="a CUDA driver is present: stream 0 would need a CUDA context",
+)
+def test_host_functions_run_at_once_without_a_driver():
+    layer = _bf16_layer()
+    hidden, (ids, weights) = make_hidden(4, 256), make_routing(4, 8, 2)
+    want = layer.forward(hidden, ids, weights)
+    buf = layer._buffers_for(4)
+    for dst, src in ((buf.hidden, hidden), (buf.ids, ids), (buf.weights, weights)):
+        dst[:4].copy_(src)
+    buf.tokens.fill_(4)
+    buf.out.zero_()
+    stream_forward = layer._stream_forward(buf)
+    stream_forward.submit(0)  # on "stream 0": without a driver the host function runs now
+    stream_forward.sync(0)
+    assert torch.equal(buf.out[:4], want)
 
 
 def test_cuda_host_launch_matches_the_machine():

@@ -127,7 +127,8 @@ class KTMoEWrapper:
         # Two submission streams: the layer's immediate experts and its deferred ones (which run
         # while the next layer computes), each with its own buffers and at most one pending task.
         self._sets = {False: _BufferSet({}), True: _BufferSet({})}
-        self._pending: dict[bool, tuple[_Buffers, int, int | None]] = {}  # task id; None: on a stream
+        # Per submission stream: buffers, rows, task id (None: stream-ordered) and CUDA stream handle.
+        self._pending: dict[bool, tuple[_Buffers, int, int | None, int | None]] = {}
         KTMoEWrapper._instances.add(self)
 
     # ----------------------------------------------------------------------------------------
@@ -333,16 +334,17 @@ class KTMoEWrapper:
         ):
             raise ValueError(f"num_tokens must be an int32 tensor of one element, got {num_tokens!r}")
         buf = self._buffers_for(T, deferred)
-        stream = self._stream_handle(cuda_stream, hidden_states)
-        buf.hidden[:T].copy_(hidden_states, non_blocking=stream is not None)
-        buf.ids[:T].copy_(topk_ids, non_blocking=stream is not None)
-        buf.weights[:T].copy_(topk_weights, non_blocking=stream is not None)
-        if stream is not None:
+        on_stream = cuda_stream is not None
+        buf.hidden[:T].copy_(hidden_states, non_blocking=on_stream)
+        buf.ids[:T].copy_(topk_ids, non_blocking=on_stream)
+        buf.weights[:T].copy_(topk_weights, non_blocking=on_stream)
+        if on_stream:
             if num_tokens is None:
                 num_tokens = torch.full((1,), T, dtype=torch.int32, device=hidden_states.device)
             buf.tokens.copy_(num_tokens.reshape(1), non_blocking=True)
-            self._stream_forward(buf).submit(stream)
-            self._pending[deferred] = (buf, T, None)
+            handle = self._stream_handle(cuda_stream, hidden_states)
+            self._stream_forward(buf).submit(handle)
+            self._pending[deferred] = (buf, T, None, handle)
             return
         if hidden_states.is_cuda:
             torch.cuda.current_stream().synchronize()
@@ -361,7 +363,7 @@ class KTMoEWrapper:
             buf.out.data_ptr(),
             False,
         )
-        self._pending[deferred] = (buf, T, task)
+        self._pending[deferred] = (buf, T, task, None)
 
     def sync_forward(
         self, hidden_states: torch.Tensor | None = None, cuda_stream=None, *, deferred: bool = False
@@ -373,36 +375,29 @@ class KTMoEWrapper:
         """
         if deferred not in self._pending:
             raise RuntimeError(f"layer {self.layer_idx}: sync_forward without submit_forward")
-        buf, T, task = self._pending[deferred]
-        stream = self._stream_handle(cuda_stream, hidden_states, required=task is None)
+        buf, T, task, submitted_on = self._pending[deferred]
+        handle = self._stream_handle(cuda_stream, hidden_states) if cuda_stream is not None else None
+        if task is None and (cuda_stream is None or (submitted_on is not None and handle is None)):
+            raise RuntimeError(
+                f"layer {self.layer_idx}: submitted with cuda_stream; pass the same cuda_stream and the "
+                "CUDA hidden_states to sync_forward"
+            )
         del self._pending[deferred]
         device = hidden_states.device if hidden_states is not None else torch.device("cpu")
         out = buf.out[:T]
         if task is None:
-            buf.stream_forward.sync(stream)
-            if device.type != "cpu":
-                return out.to(device, non_blocking=True)
-            if _native.cuda_host_launch_available():  # the host function ran on the stream: wait for it
-                torch.cuda.ExternalStream(stream).synchronize()
-            return out.clone()
+            buf.stream_forward.sync(handle)
+            return out.to(device, non_blocking=True) if device.type != "cpu" else out.clone()
         self._runner.wait(task)
         return out.to(device, non_blocking=True) if device.type != "cpu" else out.clone()
 
-    def _stream_handle(self, cuda_stream, tensor: torch.Tensor | None, required: bool = False) -> int | None:
-        """The raw handle of ``cuda_stream``, which must be torch's current stream for CUDA inputs
-        (the copies are issued there)."""
-        if cuda_stream is None:
-            if required:
-                raise RuntimeError(
-                    f"layer {self.layer_idx}: submitted on a CUDA stream; pass cuda_stream to sync_forward"
-                )
+    def _stream_handle(self, cuda_stream, tensor: torch.Tensor | None) -> int | None:
+        """The raw handle of ``cuda_stream`` for CUDA inputs, which must be torch's current stream
+        (the copies are issued there); None for CPU inputs: the host functions then run at once."""
+        if tensor is None or not tensor.is_cuda:
             return None
         handle = int(getattr(cuda_stream, "cuda_stream", cuda_stream))
-        if (
-            tensor is not None
-            and tensor.is_cuda
-            and handle != torch.cuda.current_stream(tensor.device).cuda_stream
-        ):
+        if handle != torch.cuda.current_stream(tensor.device).cuda_stream:
             raise ValueError(
                 f"layer {self.layer_idx}: cuda_stream {handle:#x} is not the current stream of "
                 f"{tensor.device}; call inside `with torch.cuda.stream(...)`"

@@ -14,14 +14,20 @@ StreamForward::StreamForward(MoeLayer& layer, std::shared_ptr<Runner> runner, co
     throw std::invalid_argument("StreamForward needs the buffers' capacity (max_tokens)");
 }
 
-void StreamForward::submit(uintptr_t stream) {
+void StreamForward::submit(std::optional<uintptr_t> stream) {
   check();
-  launch_host_func(stream, &StreamForward::on_submit, this);
-  check();  // without a driver the host function already ran
+  if (stream)
+    launch_host_func(*stream, &StreamForward::on_submit, this);
+  else
+    on_submit(this);
+  check();  // run at once (no stream, or no driver): its error is known now
 }
 
-void StreamForward::sync(uintptr_t stream) {
-  launch_host_func(stream, &StreamForward::on_sync, this);
+void StreamForward::sync(std::optional<uintptr_t> stream) {
+  if (stream)
+    launch_host_func(*stream, &StreamForward::on_sync, this);
+  else
+    on_sync(this);
   check();
 }
 

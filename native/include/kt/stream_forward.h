@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <exception>
 #include <mutex>
+#include <optional>
 
 #include "kt/moe_layer.h"
 
@@ -23,8 +24,9 @@ class StreamForward {
   StreamForward(const StreamForward&) = delete;
   StreamForward& operator=(const StreamForward&) = delete;
 
-  void submit(uintptr_t stream);
-  void sync(uintptr_t stream);
+  // On `stream` (a CUDA stream handle), or at once when there is none (CPU tensors).
+  void submit(std::optional<uintptr_t> stream);
+  void sync(std::optional<uintptr_t> stream);
   // Rethrows (once) the first failure of a host function run so far.
   void check();
 
