@@ -214,6 +214,14 @@ def main() -> None:
         for slot, e in enumerate(method.hot_experts)
     )
 
+    # What DecodeCudaGraphRunner.__init__ does with its capture sizes (it needs CUDA to be built):
+    # the plugin pointed its KTMoEWrapper at ours, so every layer gets pinned buffers per size.
+    from sglang.srt.model_executor.runner import decode_cuda_graph_runner as graph_runner
+
+    if graph_runner.KTRANSFORMERS_AVAILABLE:
+        graph_runner.KTMoEWrapper.set_capture_batch_sizes([1, 2, 4, 8])
+    capture_buffers = sorted(method.wrapper._sets[False].by_size)
+
     torch.manual_seed(1)
     x = torch.randn(32, H).to(torch.bfloat16)
     with torch.no_grad():
@@ -234,6 +242,7 @@ def main() -> None:
                 "hot_experts": method.hot_experts,
                 "gpu_slots": int(block.experts.w13_weight.shape[0]),
                 "slots_match": slots_match,
+                "capture_buffers": capture_buffers,
                 "rel_err": rel(out, ref),
                 "rel_err_vs_unscaled": rel(out, unscaled),
                 "rel_err_vs_without_shared": rel(out, without_shared),

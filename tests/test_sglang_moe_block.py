@@ -42,6 +42,7 @@ def test_deepseek_v3_block_matches_hf(tmp_path, method, placement, hot):
     if placement == "random":
         assert result["hot_experts"] != list(range(hot))  # slots differ from ids: the mapping is exercised
     assert result["slots_match"], "a hot expert's weights are not in its GPU slot"
+    assert result["capture_buffers"] == [1, 2, 4, 8]  # the decode graph runner's sizes reach our buffers
     assert result["rel_err"] < 0.03, result
     assert result["rel_err_vs_unscaled"] > 0.3, result
     assert result["rel_err_vs_without_shared"] > 0.3, result
