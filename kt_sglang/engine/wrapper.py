@@ -333,8 +333,9 @@ class KTMoEWrapper:
             or num_tokens.numel() != 1
         ):
             raise ValueError(f"num_tokens must be an int32 tensor of one element, got {num_tokens!r}")
-        buf = self._buffers_for(T, deferred)
         on_stream = cuda_stream is not None
+        handle = self._stream_handle(cuda_stream, hidden_states) if on_stream else None
+        buf = self._buffers_for(T, deferred)
         buf.hidden[:T].copy_(hidden_states, non_blocking=on_stream)
         buf.ids[:T].copy_(topk_ids, non_blocking=on_stream)
         buf.weights[:T].copy_(topk_weights, non_blocking=on_stream)
@@ -342,7 +343,6 @@ class KTMoEWrapper:
             if num_tokens is None:
                 num_tokens = torch.full((1,), T, dtype=torch.int32, device=hidden_states.device)
             buf.tokens.copy_(num_tokens.reshape(1), non_blocking=True)
-            handle = self._stream_handle(cuda_stream, hidden_states)
             self._stream_forward(buf).submit(handle)
             self._pending[deferred] = (buf, T, None, handle)
             return
@@ -387,8 +387,8 @@ class KTMoEWrapper:
         out = buf.out[:T]
         if task is None:
             buf.stream_forward.sync(handle)
-            return out.to(device, non_blocking=True) if device.type != "cpu" else out.clone()
-        self._runner.wait(task)
+        else:
+            self._runner.wait(task)
         return out.to(device, non_blocking=True) if device.type != "cpu" else out.clone()
 
     def _stream_handle(self, cuda_stream, tensor: torch.Tensor | None) -> int | None:
