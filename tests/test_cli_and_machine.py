@@ -38,6 +38,8 @@ def test_doctor_reports_machine():
     for isa in _native.supported_isas():
         assert isa in r.stdout
     assert "torch" in r.stdout and "sglang" in r.stdout and "GPU:" in r.stdout
+    driver = "CUDA driver: found" if _native.cuda_host_launch_available() else "CUDA driver: no CUDA driver"
+    assert driver in r.stdout and "llmcompressor" in r.stdout
 
 
 def test_doctor_reports_bad_isa_variable():

@@ -105,10 +105,27 @@ def run_doctor() -> int:
         if torch.cuda.is_available():
             names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
             print(f"GPU: {', '.join(names)}")
+            if not _native.cuda_host_launch_available():
+                problems.append(
+                    f"CUDA works but the engine cannot order its work on CUDA streams: "
+                    f"{_native.cuda_host_launch_status()}"
+                )
         else:
             print("GPU: none (CPU-only serving: hot experts run on the CPU device too)")
     except Exception as exc:  # a broken CUDA install should not hide the rest of the report
         advice.append(f"torch could not query CUDA: {exc}")
+    if _native.cuda_host_launch_available():
+        print("CUDA driver: found (the engine's submit and sync run as host functions on CUDA streams)")
+    else:
+        print(f"CUDA driver: {_native.cuda_host_launch_status()} (the engine is called directly)")
+    triton_version = _package_version("triton")
+    print(f"triton {triton_version or 'not installed'} (split and hot-expert kernels on CUDA)")
+    llmcompressor_version = _package_version("llmcompressor")
+    print(f"llmcompressor {llmcompressor_version or 'not installed'} (kt-sglang convert-gpu)")
+    if not llmcompressor_version:
+        advice.append(
+            "convert-gpu needs llmcompressor: pip install 'kt-sglang[convert-gpu]' in its own environment"
+        )
 
     for line in advice:
         print(f"note: {line}")
