@@ -25,7 +25,7 @@ class _Buffers:
     ids: torch.Tensor  # int64 [T, k]
     weights: torch.Tensor  # fp32 [T, k]
     out: torch.Tensor  # bf16 [T, H]
-    tokens: torch.Tensor  # int32 [1]: the batch size a stream-ordered task reads when it runs
+    tokens: torch.Tensor  # int32 [1]: the batch size the task reads when it runs
     stream_forward: object | None = None  # _native.StreamForward over these buffers, made on first use
 
     @classmethod
@@ -127,8 +127,8 @@ class KTMoEWrapper:
         # Two submission streams: the layer's immediate experts and its deferred ones (which run
         # while the next layer computes), each with its own buffers and at most one pending task.
         self._sets = {False: _BufferSet({}), True: _BufferSet({})}
-        # Per submission stream: buffers, rows, task id (None: stream-ordered) and CUDA stream handle.
-        self._pending: dict[bool, tuple[_Buffers, int, int | None, int | None]] = {}
+        # Per submission stream: buffers, rows, whether cuda_stream was given, its CUDA handle.
+        self._pending: dict[bool, tuple[_Buffers, int, bool, int | None]] = {}
         KTMoEWrapper._instances.add(self)
 
     # ----------------------------------------------------------------------------------------
@@ -335,6 +335,8 @@ class KTMoEWrapper:
             raise ValueError(f"num_tokens must be an int32 tensor of one element, got {num_tokens!r}")
         on_stream = cuda_stream is not None
         handle = self._stream_handle(cuda_stream, hidden_states) if on_stream else None
+        on_stream = cuda_stream is not None
+        handle = self._stream_handle(cuda_stream, hidden_states) if on_stream else None
         buf = self._buffers_for(T, deferred)
         buf.hidden[:T].copy_(hidden_states, non_blocking=on_stream)
         buf.ids[:T].copy_(topk_ids, non_blocking=on_stream)
@@ -343,27 +345,17 @@ class KTMoEWrapper:
             if num_tokens is None:
                 num_tokens = torch.full((1,), T, dtype=torch.int32, device=hidden_states.device)
             buf.tokens.copy_(num_tokens.reshape(1), non_blocking=True)
-            self._stream_forward(buf).submit(handle)
-            self._pending[deferred] = (buf, T, None, handle)
-            return
-        if hidden_states.is_cuda:
-            torch.cuda.current_stream().synchronize()
-        rows = T if num_tokens is None else int(num_tokens.reshape(-1)[0])
-        if not 0 <= rows <= T:
-            raise ValueError(f"num_tokens is {rows}; the batch has {T} rows")
-        mask_ptr = self.gpu_experts_mask.data_ptr() if self.gpu_experts_mask is not None else 0
-        task = self._layer.submit_forward(
-            rows,
-            0,
-            buf.hidden.data_ptr(),
-            buf.ids.data_ptr(),
-            True,
-            buf.weights.data_ptr(),
-            mask_ptr,
-            buf.out.data_ptr(),
-            False,
-        )
-        self._pending[deferred] = (buf, T, task, None)
+        else:
+            if hidden_states.is_cuda:
+                torch.cuda.current_stream().synchronize()
+            rows = T if num_tokens is None else int(num_tokens.reshape(-1)[0])
+            if not 0 <= rows <= T:
+                raise ValueError(f"num_tokens is {rows}; the batch has {T} rows")
+            buf.tokens.fill_(rows)
+        # Without a CUDA handle (no stream, or CPU tensors) the host functions run at once: the
+        # layer is enqueued now and runs on the pools while the caller goes on.
+        self._stream_forward(buf).submit(handle)
+        self._pending[deferred] = (buf, T, on_stream, handle)
 
     def sync_forward(
         self, hidden_states: torch.Tensor | None = None, cuda_stream=None, *, deferred: bool = False
@@ -375,20 +367,17 @@ class KTMoEWrapper:
         """
         if deferred not in self._pending:
             raise RuntimeError(f"layer {self.layer_idx}: sync_forward without submit_forward")
-        buf, T, task, submitted_on = self._pending[deferred]
+        buf, T, on_stream, submitted_on = self._pending[deferred]
         handle = self._stream_handle(cuda_stream, hidden_states) if cuda_stream is not None else None
-        if task is None and (cuda_stream is None or (submitted_on is not None and handle is None)):
+        if on_stream and (cuda_stream is None or (submitted_on is not None and handle is None)):
             raise RuntimeError(
                 f"layer {self.layer_idx}: submitted with cuda_stream; pass the same cuda_stream and the "
                 "CUDA hidden_states to sync_forward"
             )
         del self._pending[deferred]
+        buf.stream_forward.sync(handle)
         device = hidden_states.device if hidden_states is not None else torch.device("cpu")
         out = buf.out[:T]
-        if task is None:
-            buf.stream_forward.sync(handle)
-        else:
-            self._runner.wait(task)
         return out.to(device, non_blocking=True) if device.type != "cpu" else out.clone()
 
     def _stream_handle(self, cuda_stream, tensor: torch.Tensor | None) -> int | None:
