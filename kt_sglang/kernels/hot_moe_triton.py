@@ -56,6 +56,22 @@ def align_by_slot(slot_ids: torch.Tensor, num_slots: int, block_m: int = BLOCK_M
 
 
 @triton.jit
+def _block_rows(rows_ptr, block_slot_ptr, num_rows, BLOCK_M: tl.constexpr):
+    """This program's slot (-1: no work) and its BLOCK_M selection rows, with which are real."""
+    block = tl.program_id(0)
+    slot = tl.load(block_slot_ptr + block).to(tl.int64)
+    rows = tl.load(rows_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+    return slot, rows, rows < num_rows
+
+
+@triton.jit
+def _dot(a, b, FP32_DOT: tl.constexpr):
+    if FP32_DOT:  # fp32 inputs: full precision, not TF32
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
 def _gate_up_kernel(
     x_ptr,  # [T, H]
     w13_ptr,  # [S, 2I, H]
@@ -71,12 +87,9 @@ def _gate_up_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    block = tl.program_id(0)
-    slot = tl.load(block_slot_ptr + block).to(tl.int64)
+    slot, rows, row_ok = _block_rows(rows_ptr, block_slot_ptr, num_rows, BLOCK_M)
     if slot < 0:
         return
-    rows = tl.load(rows_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
-    row_ok = rows < num_rows
     token = tl.where(row_ok, rows // top_k, 0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < I
@@ -92,12 +105,8 @@ def _gate_up_kernel(
             w_base + (I + n[None, :]) * H + kk[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0
         )
         a = a.to(wg.dtype)
-        if FP32_DOT:
-            gate += tl.dot(a, wg, input_precision="ieee")
-            up += tl.dot(a, wu, input_precision="ieee")
-        else:
-            gate += tl.dot(a, wg)
-            up += tl.dot(a, wu)
+        gate += _dot(a, wg, FP32_DOT)
+        up += _dot(a, wu, FP32_DOT)
     h = gate * tl.sigmoid(gate) * up
     tl.store(
         inter_ptr + rows[:, None] * I + n[None, :],
@@ -122,12 +131,9 @@ def _down_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    block = tl.program_id(0)
-    slot = tl.load(block_slot_ptr + block).to(tl.int64)
+    slot, rows, row_ok = _block_rows(rows_ptr, block_slot_ptr, num_rows, BLOCK_M)
     if slot < 0:
         return
-    rows = tl.load(rows_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
-    row_ok = rows < num_rows
     safe_rows = tl.where(row_ok, rows, 0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < H
@@ -140,10 +146,7 @@ def _down_kernel(
             inter_ptr + safe_rows[:, None] * I + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0
         )
         w = tl.load(w_base + n[None, :] * I + kk[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-        if FP32_DOT:
-            acc += tl.dot(a, w, input_precision="ieee")
-        else:
-            acc += tl.dot(a, w)
+        acc += _dot(a, w, FP32_DOT)
     route = tl.load(weights_ptr + safe_rows, mask=row_ok, other=0.0).to(tl.float32)
     tl.store(
         out_ptr + rows[:, None] * H + n[None, :], acc * route[:, None], mask=row_ok[:, None] & n_ok[None, :]
