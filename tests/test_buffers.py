@@ -96,11 +96,9 @@ def test_stream_ordered_errors_are_raised():
     assert torch.equal(got, layer.forward(hidden, ids, weights))
 
 
-@pytest.mark.skipif(
-    _native.cuda_host_launch_available(),
-    reason="a CUDA driver is present: stream 0 would need a CUDA context",
-)
-def test_host_functions_run_at_once_without_a_driver():
+def test_host_functions_on_a_stream_handle():
+    """StreamForward given a stream handle: its host functions run on that CUDA stream with a GPU,
+    at once without a driver, and a driver without a usable GPU is a clear error."""
     layer = _bf16_layer()
     hidden, (ids, weights) = make_hidden(4, 256), make_routing(4, 8, 2)
     want = layer.forward(hidden, ids, weights)
@@ -110,8 +108,16 @@ def test_host_functions_run_at_once_without_a_driver():
     buf.tokens.fill_(4)
     buf.out.zero_()
     stream_forward = layer._stream_forward(buf)
-    stream_forward.submit(0)  # on "stream 0": without a driver the host function runs now
-    stream_forward.sync(0)
+    stream = torch.cuda.Stream() if torch.cuda.is_available() else None
+    if stream is None and _native.cuda_host_launch_available():
+        with pytest.raises(RuntimeError, match="cuLaunchHostFunc failed with CUresult"):
+            stream_forward.submit(0)  # the legacy stream without a CUDA context
+        return
+    handle = stream.cuda_stream if stream is not None else 0
+    stream_forward.submit(handle)
+    stream_forward.sync(handle)
+    if stream is not None:
+        stream.synchronize()
     assert torch.equal(buf.out[:4], want)
 
 

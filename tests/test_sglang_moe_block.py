@@ -15,9 +15,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("sglang", reason="the SGLang tests need the [sglang] extra")
-
-from kt_sglang.cli.server import free_port  # noqa: E402
+from kt_sglang.cli.server import free_port
 
 WORKER = Path(__file__).with_name("sglang_moe_block_worker.py")
 

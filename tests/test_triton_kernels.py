@@ -15,8 +15,6 @@ from conftest import make_routing
 
 from kt_sglang.kernels import hot_moe_torch, split_routing_torch
 
-pytest.importorskip("triton", reason="the Triton kernels need the triton package")
-
 HAS_CUDA = torch.cuda.is_available()
 needs_gpu = pytest.mark.skipif(
     not HAS_CUDA, reason="needs a CUDA GPU (bf16 tl.dot is wrong in Triton's interpreter)"
