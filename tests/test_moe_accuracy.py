@@ -50,24 +50,31 @@ def test_matches_reference(method, isa, E, k, H, I, T, T_scalar):
 @pytest.mark.parametrize("isa", isa_params(("avx2", "avx512", "amx")))
 @pytest.mark.parametrize("method", METHODS)
 def test_every_isa_agrees_with_scalar(method, isa):
-    """Same packed weights, same quantized activations: only float summation order differs."""
+    """Same packed weights, same quantized activations: only float summation order differs, except
+    that AMX's down projection for INT8/INT4 (10 rows per expert here) rounds the dequantized weights
+    to bf16 (2^-9 relative), which moves a few bf16 outputs by an ulp; its quality must not move."""
     E, k, H, I, T = 16, 4, 640, 448, 40
     gate, up, down = make_weights(E, I, H, seed=3)
     ids, weights = make_routing(T, E, k)
     x = make_hidden(T, H)
     expected = run_layer(method, "scalar", gate, up, down, x, ids, weights)
-    assert relative_error(run_layer(method, isa, gate, up, down, x, ids, weights), expected) <= 2e-3
+    actual = run_layer(method, isa, gate, up, down, x, ids, weights)
+    bound = 4e-3 if isa == "amx" and method != "BF16" else 2e-3
+    assert relative_error(actual, expected) <= bound
+    ref = moe_reference(x, gate, up, down, ids, weights)
+    assert abs(relative_error(actual, ref) - relative_error(expected, ref)) <= 5e-4
 
 
-# Coarser groups trade accuracy for fewer scales; measured 0.127 / 0.145 / 0.158 for INT4 and
-# 0.015 / 0.018 / 0.020 for INT8 at 32 / 64 / 128.
+# Coarser groups trade accuracy for fewer scales; measured 0.124 / 0.142 / 0.159 for INT4 and
+# 0.0125 / 0.0138 / 0.0151 for INT8 at 32 / 64 / 128. The default (64) holds issue 2's accuracy
+# targets: INT8 <= 0.015, INT4 <= 0.15.
 GROUP_BOUNDS = {
-    ("AMXINT8", 32): 0.018,
-    ("AMXINT8", 64): 0.02,
-    ("AMXINT8", 128): 0.023,
-    ("AMXINT4", 32): 0.14,
-    ("AMXINT4", 64): 0.16,
-    ("AMXINT4", 128): 0.175,
+    ("AMXINT8", 32): 0.0145,
+    ("AMXINT8", 64): 0.015,
+    ("AMXINT8", 128): 0.017,
+    ("AMXINT4", 32): 0.135,
+    ("AMXINT4", 64): 0.15,
+    ("AMXINT4", 128): 0.17,
 }
 
 

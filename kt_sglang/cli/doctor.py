@@ -64,7 +64,7 @@ def run_doctor() -> int:
             + (" (forced by KT_SGLANG_ISA)" if os.environ.get("KT_SGLANG_ISA") else "")
         )
         for method, family in _native.kernel_families(chosen).items():
-            print(f"    {method:8s} -> {family} kernels")
+            print(f"    {method} -> {family} kernels")
     except ValueError as exc:
         problems.append(str(exc))
         chosen = None

@@ -16,6 +16,9 @@ KernelTable make_table(Isa isa) {
                 kernels::scalar::gemm_bf16,
                 kernels::scalar::gemm_int8,
                 kernels::scalar::gemm_int4,
+                kernels::scalar::gemm_int8_a16,
+                kernels::scalar::gemm_int4_a16,
+                Isa::kScalar,
                 Isa::kScalar,
                 Isa::kScalar,
                 Isa::kScalar};
@@ -24,6 +27,8 @@ KernelTable make_table(Isa isa) {
     t.gemm_bf16 = kernels::avx2::gemm_bf16, t.isa_bf16 = Isa::kAvx2;
     t.gemm_int8 = kernels::avx2::gemm_int8, t.isa_int8 = Isa::kAvx2;
     t.gemm_int4 = kernels::avx2::gemm_int4, t.isa_int4 = Isa::kAvx2;
+    t.gemm_int8_a16 = kernels::avx2::gemm_int8_a16, t.gemm_int4_a16 = kernels::avx2::gemm_int4_a16;
+    t.isa_a16 = Isa::kAvx2;
   }
   if (isa >= Isa::kAvx512) {
     if (f.avx512_bf16) t.gemm_bf16 = kernels::avx512::gemm_bf16, t.isa_bf16 = Isa::kAvx512;
@@ -31,11 +36,15 @@ KernelTable make_table(Isa isa) {
       t.gemm_int8 = kernels::avx512::gemm_int8, t.isa_int8 = Isa::kAvx512;
       t.gemm_int4 = kernels::avx512::gemm_int4, t.isa_int4 = Isa::kAvx512;
     }
+    t.gemm_int8_a16 = kernels::avx512::gemm_int8_a16, t.gemm_int4_a16 = kernels::avx512::gemm_int4_a16;
+    t.isa_a16 = Isa::kAvx512;
   }
   if (isa >= Isa::kAmx) {
     t.gemm_bf16 = kernels::amx::gemm_bf16, t.isa_bf16 = Isa::kAmx;
     t.gemm_int8 = kernels::amx::gemm_int8, t.isa_int8 = Isa::kAmx;
     t.gemm_int4 = kernels::amx::gemm_int4, t.isa_int4 = Isa::kAmx;
+    t.gemm_int8_a16 = kernels::amx::gemm_int8_a16, t.gemm_int4_a16 = kernels::amx::gemm_int4_a16;
+    t.isa_a16 = Isa::kAmx;
   }
   return t;
 }

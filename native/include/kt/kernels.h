@@ -36,14 +36,20 @@ using GemmBf16Fn = void (*)(int m, int64_t K, const Bf16Rows& a, const uint8_t* 
                             int64_t ldc);
 using GemmQuantFn = void (*)(int m, int64_t K, int group, const QuantRows& a, const uint8_t* panels,
                              int npanels, float* c, int64_t ldc);
+// Quantized (INT8/INT4) panels times bf16 activations ("A16"): the down projection of the
+// quantized methods, whose input h stays bf16 (int8 h was most of INT8's error).
+using GemmQuantA16Fn = void (*)(int m, int64_t K, int group, const Bf16Rows& a, const uint8_t* panels,
+                                int npanels, float* c, int64_t ldc);
 
 struct KernelTable {
   Isa isa;
   GemmBf16Fn gemm_bf16;
   GemmQuantFn gemm_int8;
   GemmQuantFn gemm_int4;
+  GemmQuantA16Fn gemm_int8_a16;
+  GemmQuantA16Fn gemm_int4_a16;
   // Which family each entry comes from (for doctor and tests).
-  Isa isa_bf16, isa_int8, isa_int4;
+  Isa isa_bf16, isa_int8, isa_int4, isa_a16;
 };
 
 // Table for `isa` (which must be supported by this CPU).
@@ -53,14 +59,18 @@ const KernelTable& kernel_table(Isa isa);
 Isa selected_isa();
 
 namespace kernels {
-#define KT_DECLARE_KERNELS(ns)                                                                        \
-  namespace ns {                                                                                      \
-  void gemm_bf16(int m, int64_t K, const Bf16Rows& a, const uint8_t* panels, int npanels, float* c,   \
-                 int64_t ldc);                                                                        \
-  void gemm_int8(int m, int64_t K, int group, const QuantRows& a, const uint8_t* panels, int npanels, \
-                 float* c, int64_t ldc);                                                              \
-  void gemm_int4(int m, int64_t K, int group, const QuantRows& a, const uint8_t* panels, int npanels, \
-                 float* c, int64_t ldc);                                                              \
+#define KT_DECLARE_KERNELS(ns)                                                                           \
+  namespace ns {                                                                                         \
+  void gemm_bf16(int m, int64_t K, const Bf16Rows& a, const uint8_t* panels, int npanels, float* c,      \
+                 int64_t ldc);                                                                           \
+  void gemm_int8(int m, int64_t K, int group, const QuantRows& a, const uint8_t* panels, int npanels,    \
+                 float* c, int64_t ldc);                                                                 \
+  void gemm_int4(int m, int64_t K, int group, const QuantRows& a, const uint8_t* panels, int npanels,    \
+                 float* c, int64_t ldc);                                                                 \
+  void gemm_int8_a16(int m, int64_t K, int group, const Bf16Rows& a, const uint8_t* panels, int npanels, \
+                     float* c, int64_t ldc);                                                             \
+  void gemm_int4_a16(int m, int64_t K, int group, const Bf16Rows& a, const uint8_t* panels, int npanels, \
+                     float* c, int64_t ldc);                                                             \
   }
 KT_DECLARE_KERNELS(scalar)
 KT_DECLARE_KERNELS(avx2)

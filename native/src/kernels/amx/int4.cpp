@@ -1,10 +1,16 @@
 #include "qgemm-inl.h"
+#include "qgemm_a16-inl.h"
 
 namespace kt::kernels::amx {
 
 void gemm_int4(int m, int64_t K, int group, const QuantRows& a, const uint8_t* panels, int npanels, float* c,
                int64_t ldc) {
   gemm_quant<Method::kInt4>(m, K, group, a, panels, npanels, c, ldc, avx512::gemm_int4);
+}
+
+void gemm_int4_a16(int m, int64_t K, int group, const Bf16Rows& a, const uint8_t* panels, int npanels,
+                   float* c, int64_t ldc) {
+  gemm_quant_a16<Method::kInt4>(m, K, group, a, panels, npanels, c, ldc, avx512::gemm_int4_a16);
 }
 
 }  // namespace kt::kernels::amx

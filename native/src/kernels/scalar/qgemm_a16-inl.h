@@ -1,0 +1,41 @@
+// Portable twin of the A16 GEMMs: quantized weights, bf16 activations (see ../epilogue.h).
+#pragma once
+
+#include "../activations.h"
+#include "../epilogue.h"
+#include "kt/kernels.h"
+
+namespace kt::kernels::scalar {
+
+// Quantized weights, bf16 activations: per group, ws * sum(h * q) (+ wm * sum(h) for INT4), with
+// INT8's q = u - 128 taken signed so that nothing cancels.
+template <Method M>
+void gemm_quant_a16(int m, int64_t K, int group, const Bf16Rows& a, const uint8_t* panels, int npanels,
+                    float* c, int64_t ldc) {
+  const int64_t pbytes = panel_bytes(M, group, K);
+  const int64_t gbytes = group_bytes(M, group);
+  const int64_t wbytes = group_weight_bytes(M, group);
+  for (int p = 0; p < npanels; ++p) {
+    const uint8_t* panel = panels + p * pbytes;
+    for (int i = 0; i < m; ++i) {
+      float acc[kPanelWidth] = {};
+      for (int64_t gi = 0; gi < K / group; ++gi) {
+        const uint8_t* w = panel + gi * gbytes;
+        float hsum = 0.0f;
+        for (int k = 0; k < group; ++k) hsum += bf16_to_float(*bf16_at(a, i, gi * group + k));
+        for (int n = 0; n < kPanelWidth; ++n) {
+          float d = 0.0f;
+          for (int k = 0; k < group; ++k) {
+            const int q = packed_weight<M>(w, group, n, k) - (M == Method::kInt8 ? 128 : 0);
+            d += bf16_to_float(*bf16_at(a, i, gi * group + k)) * static_cast<float>(q);
+          }
+          acc[n] += GroupScales<M>::scale(w + wbytes, n) * d;
+          if constexpr (M == Method::kInt4) acc[n] += GroupScales<M>::offset(w + wbytes, n) * hsum;
+        }
+      }
+      for (int n = 0; n < kPanelWidth; ++n) c[i * ldc + p * kPanelWidth + n] = acc[n];
+    }
+  }
+}
+
+}  // namespace kt::kernels::scalar
