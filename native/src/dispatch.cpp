@@ -35,9 +35,9 @@ KernelTable make_table(Isa isa) {
     if (f.avx512_vnni) {
       t.gemm_int8 = kernels::avx512::gemm_int8, t.isa_int8 = Isa::kAvx512;
       t.gemm_int4 = kernels::avx512::gemm_int4, t.isa_int4 = Isa::kAvx512;
+      t.gemm_int8_a16 = kernels::avx512::gemm_int8_a16, t.gemm_int4_a16 = kernels::avx512::gemm_int4_a16;
+      t.isa_a16 = Isa::kAvx512;
     }
-    t.gemm_int8_a16 = kernels::avx512::gemm_int8_a16, t.gemm_int4_a16 = kernels::avx512::gemm_int4_a16;
-    t.isa_a16 = Isa::kAvx512;
   }
   if (isa >= Isa::kAmx) {
     t.gemm_bf16 = kernels::amx::gemm_bf16, t.isa_bf16 = Isa::kAmx;

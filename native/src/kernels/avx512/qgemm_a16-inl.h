@@ -1,10 +1,17 @@
-// AVX-512 quantized weights x bf16 activations (decode): each packed weight widened to fp32 in
-// registers, fp32 FMA with broadcast activations (widened once per call), the group's scale applied
-// once per group. Byte j of lane n of a VNNI row r is channel n, K-value 4r + j (quant_types.h).
+// AVX-512 VNNI quantized weights x bf16 activations (decode). The activations are requantized to
+// int16 per (row, group) inside the call (error ~1e-5, far below bf16's own rounding), then
+// vpdpwssd multiplies them with the packed weights widened to 16 bits by a mask or a shift: no
+// shuffles, two instructions per 64 weights for INT8, four for INT4's 128.
+//
+// Byte j of lane n of a VNNI row r is channel n, K-value 4r + j (quant_types.h); a 16-bit view of
+// the lane holds bytes (0, 2) under a mask and (1, 3) after a shift, so the int16 activations store
+// every 4 K-values as (0, 2, 1, 3) and the pairs line up. As in ../epilogue.h, one group adds
+// sa * ws * D + scaled_sum * wm, D = sum(q16 * u).
 #pragma once
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "../activations.h"
@@ -12,79 +19,103 @@
 
 namespace kt::kernels::avx512 {
 
-// Byte j of every 32-bit lane as fp32, sign-extended or not. Static: the AMX file includes it too.
-template <int j, bool kSigned>
-static inline __m512 lane_byte_ps(__m512i v) {
-  if constexpr (kSigned) {
-    const __m512i up = j == 3 ? v : _mm512_slli_epi32(v, 24 - 8 * j);
-    return _mm512_cvtepi32_ps(_mm512_srai_epi32(up, 24));
-  } else {
-    const __m512i down = j == 0 ? v : _mm512_srli_epi32(v, 8 * j);
-    return _mm512_cvtepi32_ps(j == 3 ? down : _mm512_and_si512(down, _mm512_set1_epi32(0xff)));
+// Rows of A as int16 per (row, group), K-values of each 4 in the order (0, 2, 1, 3).
+struct Int16Rows {
+  std::vector<int16_t> q;                // [m][K]
+  std::vector<float> scale, scaled_sum;  // [m][K / group]
+  void quantize(const Bf16Rows& a, int m, int64_t K, int group) {
+    const int64_t groups = K / group;
+    if (q.size() < static_cast<size_t>(m * K)) q.resize(m * K);
+    if (scale.size() < static_cast<size_t>(m * groups))
+      scale.resize(m * groups), scaled_sum.resize(m * groups);
+    // Within each 8 bytes (4 int16), the order (0, 2, 1, 3).
+    const __m256i order =
+        _mm256_broadcastsi128_si256(_mm_setr_epi8(0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15));
+    for (int i = 0; i < m; ++i)
+      for (int64_t g = 0; g < groups; ++g) {
+        __m512 x[8];  // groups hold at most 128 K-values
+        __m512 amax = _mm512_setzero_ps();
+        for (int v = 0; v < group / 16; ++v) {
+          const __m256i h =
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bf16_at(a, i, g * group + 16 * v)));
+          x[v] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+          amax = _mm512_max_ps(amax, _mm512_abs_ps(x[v]));
+        }
+        const float top = _mm512_reduce_max_ps(amax);
+        const __m512 inv = _mm512_set1_ps(top > 0.0f ? 32767.0f / top : 0.0f);
+        __m512i sum = _mm512_setzero_si512();
+        int16_t* out = q.data() + i * K + g * group;
+        for (int v = 0; v < group / 16; ++v) {
+          const __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(x[v], inv));  // nearest even
+          sum = _mm512_add_epi32(sum, qi);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16 * v),
+                              _mm256_shuffle_epi8(_mm512_cvtsepi32_epi16(qi), order));
+        }
+        const float s = top / 32767.0f;
+        scale[i * groups + g] = s,
+                           scaled_sum[i * groups + g] = s * static_cast<float>(_mm512_reduce_add_epi32(sum));
+      }
   }
-}
-
-// The four fp32 vectors of one VNNI row of weights (INT8: signed q; INT4: nibbles already split).
-template <Method M>
-static inline void widen_vnni_row(__m512i v, __m512 f[4]) {
-  constexpr bool kSigned = M == Method::kInt8;
-  if constexpr (kSigned) v = _mm512_xor_si512(v, _mm512_set1_epi8(static_cast<char>(0x80)));  // u - 128
-  f[0] = lane_byte_ps<0, kSigned>(v);
-  f[1] = lane_byte_ps<1, kSigned>(v);
-  f[2] = lane_byte_ps<2, kSigned>(v);
-  f[3] = lane_byte_ps<3, kSigned>(v);
-}
-
-// Calls body(v, r) for every VNNI row v of a group's weights as int8 rows: r is the row (K-values
-// 4r .. 4r + 3 of the group). INT4 rows come from the low and high nibbles of one 64-byte row.
-template <Method M, class F>
-static inline void for_each_vnni_row(const uint8_t* w, int group, F&& body) {
-  if constexpr (M == Method::kInt8) {
-    for (int r = 0; r < group / 4; ++r) body(_mm512_loadu_si512(w + r * 64), r);
-  } else {
-    const __m512i nibble = _mm512_set1_epi8(0x0f);
-    const int half = group / 8;
-    for (int r = 0; r < half; ++r) {
-      const __m512i v = _mm512_loadu_si512(w + r * 64);
-      body(_mm512_and_si512(v, nibble), r);
-      body(_mm512_and_si512(_mm512_srli_epi16(v, 4), nibble), r + half);
-    }
-  }
-}
+};
 
 template <Method M, int kRows>
-inline void gemm_a16_rows(int64_t K, int group, const float* const* h, const float* const* hsum,
-                          const uint8_t* panel, float* const* out) {
-  // One chain per K-value of a VNNI row for a single row (FMA latency), two for several.
-  constexpr int kChains = kRows == 1 ? 4 : 2;
+inline void gemm_a16_rows(int64_t K, int group, const Int16Rows& a, int i0, const uint8_t* panel,
+                          float* const* out) {
+  constexpr int kChains = kRows == 1 ? 4 : 2;  // vpdpwssd latency
+  const int64_t groups = K / group;
   const int64_t gbytes = group_bytes(M, group), wbytes = group_weight_bytes(M, group);
+  const __m512i low_byte = _mm512_set1_epi16(0x00ff), nibble = _mm512_set1_epi16(0x000f);
   __m512 acc[kRows];
+  __m512i d[kRows][kChains];
   for (int i = 0; i < kRows; ++i) acc[i] = _mm512_setzero_ps();
-  for (int64_t gi = 0; gi < K / group; ++gi) {
-    const int64_t k0 = gi * group;
+  // Adds the 16-bit weights w (2 K-values per lane) times the activation pair at x[i] to chain c.
+  auto dot = [&](__m512i w, const int16_t* const* x, int c) __attribute__((always_inline)) {
+    for (int i = 0; i < kRows; ++i)
+      d[i][c % kChains] = _mm512_dpwssd_epi32(d[i][c % kChains], w,
+                                              _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x[i])));
+  };
+  for (int64_t gi = 0; gi < groups; ++gi) {
     const uint8_t* w = panel + gi * gbytes;
     const char* ahead = reinterpret_cast<const char*>(w) + 8 * gbytes;  // as in qgemm-inl.h
     for (int64_t off = 0; off < gbytes; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
-    __m512 d[kRows][kChains];
     for (int i = 0; i < kRows; ++i)
-      for (int u = 0; u < kChains; ++u) d[i][u] = _mm512_setzero_ps();
-    for_each_vnni_row<M>(w, group, [&](__m512i v, int r) {
-      __m512 f[4];
-      widen_vnni_row<M>(v, f);
-      for (int j = 0; j < 4; ++j)
-        for (int i = 0; i < kRows; ++i)
-          d[i][j % kChains] = _mm512_fmadd_ps(f[j], _mm512_set1_ps(h[i][k0 + 4 * r + j]), d[i][j % kChains]);
-    });
-    const __m512 ws = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + wbytes)));
-    for (int i = 0; i < kRows; ++i) {
-      __m512 dsum = d[i][0];
-      for (int u = 1; u < kChains; ++u) dsum = _mm512_add_ps(dsum, d[i][u]);
-      acc[i] = _mm512_fmadd_ps(dsum, ws, acc[i]);
-      if constexpr (M == Method::kInt4) {
-        const __m512 wm =
-            _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + wbytes + 32)));
-        acc[i] = _mm512_fmadd_ps(wm, _mm512_set1_ps(hsum[i][gi]), acc[i]);
+      for (int u = 0; u < kChains; ++u) d[i][u] = _mm512_setzero_si512();
+    const int16_t* x[kRows];
+    for (int i = 0; i < kRows; ++i) x[i] = a.q.data() + (i0 + i) * K + gi * group;
+    const int16_t* xk[kRows];
+    auto at = [&](int k) __attribute__((always_inline)) {
+      for (int i = 0; i < kRows; ++i) xk[i] = x[i] + k;
+      return xk;
+    };
+    if constexpr (M == Method::kInt8) {
+      for (int r = 0; r < group / 4; ++r) {
+        const __m512i v = _mm512_loadu_si512(w + r * 64);
+        dot(_mm512_and_si512(v, low_byte), at(4 * r), 2 * r);    // bytes 0, 2
+        dot(_mm512_srli_epi16(v, 8), at(4 * r + 2), 2 * r + 1);  // bytes 1, 3
       }
+    } else {  // low nibbles: the group's first half, high nibbles: its second
+      const int half = group / 8;
+      for (int r = 0; r < half; ++r) {
+        const __m512i v = _mm512_loadu_si512(w + r * 64);
+        const int lo = 4 * r, hi = 4 * (r + half);
+        dot(_mm512_and_si512(v, nibble), at(lo), 0);
+        dot(_mm512_and_si512(_mm512_srli_epi16(v, 8), nibble), at(lo + 2), 1);
+        dot(_mm512_and_si512(_mm512_srli_epi16(v, 4), nibble), at(hi), 2);
+        dot(_mm512_srli_epi16(v, 12), at(hi + 2), 3);
+      }
+    }
+    const __m512 ws = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + wbytes)));
+    const __m512 wm =
+        M == Method::kInt8
+            ? _mm512_mul_ps(ws, _mm512_set1_ps(-128.0f))
+            : _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + wbytes + 32)));
+    for (int i = 0; i < kRows; ++i) {
+      __m512i dsum = d[i][0];
+      for (int u = 1; u < kChains; ++u) dsum = _mm512_add_epi32(dsum, d[i][u]);
+      const int64_t s = (i0 + i) * groups + gi;
+      acc[i] =
+          _mm512_fmadd_ps(_mm512_cvtepi32_ps(dsum), _mm512_mul_ps(ws, _mm512_set1_ps(a.scale[s])), acc[i]);
+      acc[i] = _mm512_fmadd_ps(wm, _mm512_set1_ps(a.scaled_sum[s]), acc[i]);
     }
   }
   for (int i = 0; i < kRows; ++i) _mm512_storeu_ps(out[i], acc[i]);
@@ -93,30 +124,20 @@ inline void gemm_a16_rows(int64_t K, int group, const float* const* h, const flo
 template <Method M>
 void gemm_quant_a16(int m, int64_t K, int group, const Bf16Rows& a, const uint8_t* panels, int npanels,
                     float* c, int64_t ldc) {
-  thread_local std::vector<float> hf, hs;
-  if (hf.size() < static_cast<size_t>(m * K)) hf.resize(m * K);
-  if (hs.size() < static_cast<size_t>(m * (K / group))) hs.resize(m * (K / group));
-  for (int i = 0; i < m; ++i)
-    bf16_row_to_float(a, i, K, group, hf.data() + i * K,
-                      M == Method::kInt4 ? hs.data() + i * (K / group) : nullptr);
+  thread_local Int16Rows rows;
+  rows.quantize(a, m, K, group);
   const int64_t pbytes = panel_bytes(M, group, K);
   for (int p = 0; p < npanels; ++p) {
     const uint8_t* panel = panels + p * pbytes;
     int i0 = 0;
     for (; i0 + 4 <= m; i0 += 4) {
       float* out[4];
-      const float* h[4];
-      const float* s[4];
-      for (int i = 0; i < 4; ++i)
-        out[i] = c + (i0 + i) * ldc + p * kPanelWidth, h[i] = hf.data() + (i0 + i) * K,
-        s[i] = hs.data() + (i0 + i) * (K / group);
-      gemm_a16_rows<M, 4>(K, group, h, s, panel, out);
+      for (int i = 0; i < 4; ++i) out[i] = c + (i0 + i) * ldc + p * kPanelWidth;
+      gemm_a16_rows<M, 4>(K, group, rows, i0, panel, out);
     }
     for (; i0 < m; ++i0) {
       float* out[1] = {c + i0 * ldc + p * kPanelWidth};
-      const float* h[1] = {hf.data() + i0 * K};
-      const float* s[1] = {hs.data() + i0 * (K / group)};
-      gemm_a16_rows<M, 1>(K, group, h, s, panel, out);
+      gemm_a16_rows<M, 1>(K, group, rows, i0, panel, out);
     }
   }
 }
