@@ -89,6 +89,20 @@ def test_group_sizes(method, group_size):
     assert error <= GROUP_BOUNDS[method, group_size]
 
 
+@pytest.mark.parametrize("isa", isa_params(("avx2", "avx512", "amx")))
+@pytest.mark.parametrize("method,group_size", sorted(GROUP_BOUNDS))
+def test_group_sizes_agree_across_isas(method, group_size, isa):
+    """Every group size on every path: 1 to 9 rows per expert reach both the small-batch kernels
+    and AMX's (which rounds the dequantized down weights to bf16, hence its wider bound)."""
+    E, k, H, I, T = 8, 2, 256, 384, 20
+    gate, up, down = make_weights(E, I, H, seed=7)
+    ids, weights = make_routing(T, E, k)
+    x = make_hidden(T, H)
+    expected = run_layer(method, "scalar", gate, up, down, x, ids, weights, group_size=group_size)
+    actual = run_layer(method, isa, gate, up, down, x, ids, weights, group_size=group_size)
+    assert relative_error(actual, expected) <= (4e-3 if isa == "amx" else 2e-3)
+
+
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("threads,pools,numa_nodes", [(1, 1, None), (2, 1, None), (2, 2, [0, 0])])
 def test_threads_and_pools_agree(method, threads, pools, numa_nodes):
