@@ -29,10 +29,10 @@ struct MethodTraits {
   const char* name;       // as in --kt-method
   int default_group;      // K-values per scale group; BF16 has no scales (group = kKAlign)
   int allowed_groups[3];  // 0 = unused slot
-  bool int8_activations;  // activations quantized per (token, group) to int8
+  bool int8_activations;  // gate/up inputs quantized per (token, group) to int8 (down reads bf16)
 };
 
-// Defaults measured in docs/benchmarks.md: INT8 groups of 64 reach rel. error 0.017 (per-channel:
+// Defaults measured in docs/engine.md: INT8 groups of 64 reach rel. error 0.014 (per-channel:
 // 0.026); INT4 asymmetric groups of 64 with a searched clipping range reach 0.14.
 inline constexpr MethodTraits kMethodTable[] = {
     {Method::kBf16, "BF16", kKAlign, {kKAlign, 0, 0}, false},
