@@ -5,6 +5,7 @@
 
 #include "../activations.h"
 #include "kt/quant_types.h"
+#include "row_blocks-inl.h"
 
 namespace kt::kernels::avx512 {
 
@@ -41,20 +42,10 @@ void gemm_bf16_rows(int64_t K, const Bf16Rows& a, int i0, const uint8_t* w, floa
 
 void gemm_bf16(int m, int64_t K, const Bf16Rows& a, const uint8_t* panels, int npanels, float* c,
                int64_t ldc) {
-  const int64_t pbytes = panel_bytes(Method::kBf16, kKAlign, K);
-  for (int p = 0; p < npanels; ++p) {
-    const uint8_t* w = panels + p * pbytes;
-    int i0 = 0;
-    for (; i0 + 4 <= m; i0 += 4) {
-      float* out[4];
-      for (int i = 0; i < 4; ++i) out[i] = c + (i0 + i) * ldc + p * kPanelWidth;
-      gemm_bf16_rows<4>(K, a, i0, w, out);
-    }
-    for (; i0 < m; ++i0) {
-      float* out[1] = {c + i0 * ldc + p * kPanelWidth};
-      gemm_bf16_rows<1>(K, a, i0, w, out);
-    }
-  }
+  for_each_row_block(m, panels, npanels, panel_bytes(Method::kBf16, kKAlign, K), c, ldc,
+                     [&](auto rows, int i0, const uint8_t* panel, float* const* out) {
+                       gemm_bf16_rows<decltype(rows)::value>(K, a, i0, panel, out);
+                     });
 }
 
 }  // namespace kt::kernels::avx512

@@ -6,6 +6,7 @@
 
 #include "../activations.h"
 #include "../epilogue.h"
+#include "row_blocks-inl.h"
 
 namespace kt::kernels::avx512 {
 
@@ -84,20 +85,10 @@ inline void gemm_quant_rows(int64_t K, int group, const QuantRows& a, int i0, co
 template <Method M>
 void gemm_quant(int m, int64_t K, int group, const QuantRows& a, const uint8_t* panels, int npanels, float* c,
                 int64_t ldc) {
-  const int64_t pbytes = panel_bytes(M, group, K);
-  for (int p = 0; p < npanels; ++p) {
-    const uint8_t* panel = panels + p * pbytes;
-    int i0 = 0;
-    for (; i0 + 4 <= m; i0 += 4) {
-      float* out[4];
-      for (int i = 0; i < 4; ++i) out[i] = c + (i0 + i) * ldc + p * kPanelWidth;
-      gemm_quant_rows<M, 4>(K, group, a, i0, panel, out);
-    }
-    for (; i0 < m; ++i0) {
-      float* out[1] = {c + i0 * ldc + p * kPanelWidth};
-      gemm_quant_rows<M, 1>(K, group, a, i0, panel, out);
-    }
-  }
+  for_each_row_block(m, panels, npanels, panel_bytes(M, group, K), c, ldc,
+                     [&](auto rows, int i0, const uint8_t* panel, float* const* out) {
+                       gemm_quant_rows<M, decltype(rows)::value>(K, group, a, i0, panel, out);
+                     });
 }
 
 }  // namespace kt::kernels::avx512

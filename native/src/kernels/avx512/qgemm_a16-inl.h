@@ -16,6 +16,7 @@
 
 #include "../activations.h"
 #include "../epilogue.h"
+#include "row_blocks-inl.h"
 
 namespace kt::kernels::avx512 {
 
@@ -126,20 +127,10 @@ void gemm_quant_a16(int m, int64_t K, int group, const Bf16Rows& a, const uint8_
                     float* c, int64_t ldc) {
   thread_local Int16Rows rows;
   rows.quantize(a, m, K, group);
-  const int64_t pbytes = panel_bytes(M, group, K);
-  for (int p = 0; p < npanels; ++p) {
-    const uint8_t* panel = panels + p * pbytes;
-    int i0 = 0;
-    for (; i0 + 4 <= m; i0 += 4) {
-      float* out[4];
-      for (int i = 0; i < 4; ++i) out[i] = c + (i0 + i) * ldc + p * kPanelWidth;
-      gemm_a16_rows<M, 4>(K, group, rows, i0, panel, out);
-    }
-    for (; i0 < m; ++i0) {
-      float* out[1] = {c + i0 * ldc + p * kPanelWidth};
-      gemm_a16_rows<M, 1>(K, group, rows, i0, panel, out);
-    }
-  }
+  for_each_row_block(m, panels, npanels, panel_bytes(M, group, K), c, ldc,
+                     [&](auto rows_per_pass, int i0, const uint8_t* panel, float* const* out) {
+                       gemm_a16_rows<M, decltype(rows_per_pass)::value>(K, group, rows, i0, panel, out);
+                     });
 }
 
 }  // namespace kt::kernels::avx512
