@@ -6,6 +6,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "kt/aligned_vector.h"
 #include "kt/packing.h"
 #include "kt/topology.h"
 
@@ -18,8 +19,8 @@ constexpr int kMinDownPanels = 4;   // output channels per down work item: at le
 constexpr int kMaxDownPanels = 32;  // ... at most 32 x 16; each item reads every expert's h once
 constexpr int kMaxPools = 64;
 
-template <class T>
-void grow(std::vector<T>& v, size_t n) {
+template <class Vector>
+void grow(Vector& v, size_t n) {
   if (v.size() < n) v.resize(n);
 }
 
@@ -57,10 +58,10 @@ struct MoeWorkspace {
   std::vector<int8_t> x_q;
   std::vector<float> x_scale, x_sum;
   // Per row, gathered in the tiled layout: the input (int8 or bf16).
-  std::vector<uint8_t> x_rows;
+  AlignedVector<uint8_t> x_rows;
   struct PoolScratch {
-    std::vector<uint8_t> h_rows;  // per row, tiled: the bf16 intermediate (every method)
-    std::vector<float> y;         // fp32 partial output [tokens, hidden padded to 16]
+    AlignedVector<uint8_t> h_rows;  // per row, tiled: the bf16 intermediate (every method)
+    std::vector<float> y;           // fp32 partial output [tokens, hidden padded to 16]
   };
   std::vector<PoolScratch> pools;
   PaddedCounter phase_counter[kMaxPools][3];

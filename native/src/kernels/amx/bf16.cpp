@@ -13,7 +13,7 @@ void gemm_bf16(int m, int64_t K, const Bf16Rows& a, const uint8_t* panels, int n
   if (m <= 4) return avx512::gemm_bf16(m, K, a, panels, npanels, c, ldc);
   configure_tiles();
   const int64_t pbytes = panel_bytes(Method::kBf16, kKAlign, K);
-  thread_local std::vector<uint8_t> stage;
+  thread_local AlignedVector<uint8_t> stage;
   thread_local float out[32][32];
   if (stage.size() < static_cast<size_t>(kRowBlock * K * 2)) stage.resize(kRowBlock * K * 2);
   for (int rb = 0; rb < m; rb += kRowBlock) {

@@ -45,7 +45,7 @@ void gemm_quant(int m, int64_t K, int group, const QuantRows& a, const uint8_t* 
   const int blocks = (m + kRowBlock - 1) / kRowBlock;
   const int64_t pbytes = panel_bytes(M, group, K);
   const int64_t gbytes = group_bytes(M, group), wbytes = group_weight_bytes(M, group);
-  thread_local std::vector<uint8_t> stage;        // rows that are not tiled yet
+  thread_local AlignedVector<uint8_t> stage;      // rows that are not tiled yet
   thread_local std::vector<const uint8_t*> base;  // per row block
   thread_local std::vector<float> acc;            // [blocks * 32][32]
   alignas(64) thread_local int32_t dots[2][32][32];

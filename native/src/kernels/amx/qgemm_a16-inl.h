@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "../epilogue.h"
+#include "kt/aligned_vector.h"
 #include "tile_config.h"
 
 namespace kt::kernels::amx {
@@ -88,7 +89,7 @@ void gemm_quant_a16(int m, int64_t K, int group, const Bf16Rows& a, const uint8_
                     float* c, int64_t ldc, GemmQuantA16Fn small) {
   if (m <= 4) return small(m, K, group, a, panels, npanels, c, ldc);
   const int64_t pbytes = panel_bytes(M, group, K), bf16_bytes = panel_bytes(Method::kBf16, kKAlign, K);
-  thread_local std::vector<uint8_t> pair;
+  thread_local AlignedVector<uint8_t> pair;
   if (pair.size() < static_cast<size_t>(2 * bf16_bytes)) pair.resize(2 * bf16_bytes);
   for (int p = 0; p < npanels; p += 2) {
     const int n = std::min(2, npanels - p);

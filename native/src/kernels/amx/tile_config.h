@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "kt/aligned_vector.h"
 #include "kt/kernels.h"
 
 namespace kt::kernels::amx {
