@@ -403,7 +403,7 @@ void MoeLayer::forward_task(const ForwardArgs& args, const WorkerContext& ctx) {
     const int64_t slice = pw.i_end - pw.i_begin;
     const int64_t slice_groups = slice / Gh;
     thread_local std::vector<const void*> ptr_a, ptr_s, ptr_m;
-    thread_local std::vector<float> c_buf;
+    thread_local AlignedVector<float> c_buf;  // AMX stores full row blocks here directly
     thread_local std::vector<uint16_t> h_bf16;
     grow(ptr_a, kRowChunk), grow(ptr_s, kRowChunk), grow(ptr_m, kRowChunk);
 
