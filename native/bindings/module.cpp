@@ -90,6 +90,24 @@ PYBIND11_MODULE(_native, m) {
                     py::arg("AMXINT8/AMXINT4 down projection (bf16 input)") = isa_name(t.isa_a16));
   });
 
+  // The element-wise kernels of one ISA's table, for tests (contiguous fp32 / bf16 buffers of n).
+  auto table_of = [](const std::string& isa) -> const KernelTable& {
+    const auto parsed = parse_isa(isa);
+    if (!parsed) throw std::invalid_argument("unknown ISA '" + isa + "'");
+    return kernel_table(*parsed);
+  };
+  m.def(
+      "silu_mul",
+      [table_of](const std::string& isa, uintptr_t gate, uintptr_t up, int64_t n, uintptr_t h) {
+        table_of(isa).silu_mul(ptr<const float>(gate), ptr<const float>(up), n, ptr<uint16_t>(h));
+      },
+      py::arg("isa"), py::arg("gate"), py::arg("up"), py::arg("n"), py::arg("h"));
+  m.def(
+      "add_weighted",
+      [table_of](const std::string& isa, uintptr_t y, uintptr_t c, float weight, int64_t n) {
+        table_of(isa).add_weighted(ptr<float>(y), ptr<const float>(c), weight, n);
+      },
+      py::arg("isa"), py::arg("y"), py::arg("c"), py::arg("weight"), py::arg("n"));
   m.def("topology", [] {
     const Topology& t = topology();
     py::list nodes;

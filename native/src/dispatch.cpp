@@ -18,6 +18,8 @@ KernelTable make_table(Isa isa) {
                 kernels::scalar::gemm_int4,
                 kernels::scalar::gemm_int8_a16,
                 kernels::scalar::gemm_int4_a16,
+                kernels::scalar::silu_mul,
+                kernels::scalar::add_weighted,
                 Isa::kScalar,
                 Isa::kScalar,
                 Isa::kScalar,
@@ -29,8 +31,10 @@ KernelTable make_table(Isa isa) {
     t.gemm_int4 = kernels::avx2::gemm_int4, t.isa_int4 = Isa::kAvx2;
     t.gemm_int8_a16 = kernels::avx2::gemm_int8_a16, t.gemm_int4_a16 = kernels::avx2::gemm_int4_a16;
     t.isa_a16 = Isa::kAvx2;
+    t.silu_mul = kernels::avx2::silu_mul, t.add_weighted = kernels::avx2::add_weighted;
   }
   if (isa >= Isa::kAvx512) {
+    t.silu_mul = kernels::avx512::silu_mul, t.add_weighted = kernels::avx512::add_weighted;
     if (f.avx512_bf16) t.gemm_bf16 = kernels::avx512::gemm_bf16, t.isa_bf16 = Isa::kAvx512;
     if (f.avx512_vnni) {
       t.gemm_int8 = kernels::avx512::gemm_int8, t.isa_int8 = Isa::kAvx512;

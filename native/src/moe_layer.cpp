@@ -24,10 +24,6 @@ void grow(Vector& v, size_t n) {
   if (v.size() < n) v.resize(n);
 }
 
-float silu(float x) {
-  return x / (1.0f + std::exp(-x));
-}
-
 struct alignas(64) PaddedCounter {
   std::atomic<int64_t> value{0};
 };
@@ -444,7 +440,7 @@ void MoeLayer::forward_task(const ForwardArgs& args, const WorkerContext& ctx) {
           for (int i = 0; i < m; ++i) {
             const float* cg = c_buf.data() + i * ldc;
             const float* cu = cg + Gh;
-            for (int j = 0; j < Gh; ++j) h_bf16[j] = float_to_bf16(silu(cg[j]) * cu[j]);
+            table_.silu_mul(cg, cu, Gh, h_bf16.data());
             store_tiled(tiled_row(ps.h_rows.data(), r0 + i + padding_before(e), slice * 2), gl * Gh * 2,
                         h_bf16.data(), Gh * 2);
           }
@@ -480,8 +476,7 @@ void MoeLayer::forward_task(const ForwardArgs& args, const WorkerContext& ctx) {
             for (int i = 0; i < m; ++i) {
               const float wt = ws.row_weight[r0 + i];
               float* y = ps.y.data() + ws.row_token[r0 + i] * Hy + p0 * kPanelWidth;
-              const float* c = c_buf.data() + i * ldc;
-              for (int j = 0; j < npan * kPanelWidth; ++j) y[j] += wt * c[j];
+              table_.add_weighted(y, c_buf.data() + i * ldc, wt, npan * kPanelWidth);
             }
           }
         }

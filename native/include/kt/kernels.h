@@ -41,6 +41,10 @@ using GemmQuantFn = void (*)(int m, int64_t K, int group, const QuantRows& a, co
 using GemmQuantA16Fn = void (*)(int m, int64_t K, int group, const Bf16Rows& a, const uint8_t* panels,
                                 int npanels, float* c, int64_t ldc);
 
+// The element-wise steps around the GEMMs: h = bf16(silu(gate) * up), and y += weight * c.
+using SiluMulFn = void (*)(const float* gate, const float* up, int64_t n, uint16_t* h);
+using AddWeightedFn = void (*)(float* y, const float* c, float weight, int64_t n);
+
 struct KernelTable {
   Isa isa;
   GemmBf16Fn gemm_bf16;
@@ -48,6 +52,8 @@ struct KernelTable {
   GemmQuantFn gemm_int4;
   GemmQuantA16Fn gemm_int8_a16;
   GemmQuantA16Fn gemm_int4_a16;
+  SiluMulFn silu_mul;
+  AddWeightedFn add_weighted;
   // Which family each entry comes from (for doctor and tests).
   Isa isa_bf16, isa_int8, isa_int4, isa_a16;
 };
@@ -77,6 +83,16 @@ KT_DECLARE_KERNELS(avx2)
 KT_DECLARE_KERNELS(avx512)
 KT_DECLARE_KERNELS(amx)
 #undef KT_DECLARE_KERNELS
+// Element-wise kernels: AMX adds nothing to them, so the AMX table takes AVX-512's.
+#define KT_DECLARE_VECTOR_OPS(ns)                                            \
+  namespace ns {                                                             \
+  void silu_mul(const float* gate, const float* up, int64_t n, uint16_t* h); \
+  void add_weighted(float* y, const float* c, float weight, int64_t n);      \
+  }
+KT_DECLARE_VECTOR_OPS(scalar)
+KT_DECLARE_VECTOR_OPS(avx2)
+KT_DECLARE_VECTOR_OPS(avx512)
+#undef KT_DECLARE_VECTOR_OPS
 }  // namespace kernels
 
 }  // namespace kt
