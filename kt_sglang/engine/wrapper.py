@@ -335,8 +335,6 @@ class KTMoEWrapper:
             raise ValueError(f"num_tokens must be an int32 tensor of one element, got {num_tokens!r}")
         on_stream = cuda_stream is not None
         handle = self._stream_handle(cuda_stream, hidden_states) if on_stream else None
-        on_stream = cuda_stream is not None
-        handle = self._stream_handle(cuda_stream, hidden_states) if on_stream else None
         buf = self._buffers_for(T, deferred)
         buf.hidden[:T].copy_(hidden_states, non_blocking=on_stream)
         buf.ids[:T].copy_(topk_ids, non_blocking=on_stream)

@@ -43,7 +43,7 @@ void gemm_bf16_rows(int64_t K, const Bf16Rows& a, int i0, const uint8_t* w, floa
 void gemm_bf16(int m, int64_t K, const Bf16Rows& a, const uint8_t* panels, int npanels, float* c,
                int64_t ldc) {
   for_each_row_block(m, panels, npanels, panel_bytes(Method::kBf16, kKAlign, K), c, ldc,
-                     [&](auto rows, int i0, const uint8_t* panel, float* const* out) {
+                     [&](auto rows, auto /*one panel*/, int i0, const uint8_t* panel, float* const* out) {
                        gemm_bf16_rows<decltype(rows)::value>(K, a, i0, panel, out);
                      });
 }

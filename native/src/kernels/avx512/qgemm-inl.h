@@ -10,28 +10,30 @@
 
 namespace kt::kernels::avx512 {
 
-// kChains independent accumulators per row: vpdpbusd has a latency of several cycles, and one chain
-// per row would bound a single-row (decode) pass to ~13 GB/s per core.
-inline constexpr int kPrefetchGroups = 8;
-
-template <Method M, int kRows>
-inline void gemm_quant_rows(int64_t K, int group, const QuantRows& a, int i0, const uint8_t* panel,
-                            float* const* out) {
+// kRows rows x kPanels panels per pass (kPanels > 1 only for a single row, see row_blocks-inl.h).
+template <Method M, int kRows, int kPanels>
+inline void gemm_quant_rows(int64_t K, int group, const QuantRows& a, int i0, const uint8_t* panel0,
+                            int64_t panel_stride, float* const* out) {
+  // Independent accumulators per row and panel: vpdpbusd has a latency of several cycles, and one
+  // chain per row would bound a single-row (decode) pass to ~13 GB/s per core.
   constexpr int kChains = kRows == 1 ? 4 : 2;
   const int64_t gbytes = group_bytes(M, group), wbytes = group_weight_bytes(M, group);
   const __m512i nibble = _mm512_set1_epi8(0x0f);
-  __m512 acc[kRows];
-  for (int i = 0; i < kRows; ++i) acc[i] = _mm512_setzero_ps();
+  __m512 acc[kRows][kPanels];
+  for (int i = 0; i < kRows; ++i)
+    for (int p = 0; p < kPanels; ++p) acc[i][p] = _mm512_setzero_ps();
   for (int64_t gi = 0; gi < K / group; ++gi) {
     const int64_t k0 = gi * group;
-    const uint8_t* w = panel + gi * gbytes;
-    // Every line of a group ~4 KiB ahead: decode streams weights once, and the hardware
-    // prefetcher alone left INT4 at 60% of the read bandwidth.
-    const char* ahead = reinterpret_cast<const char*>(w) + kPrefetchGroups * gbytes;
-    for (int64_t off = 0; off < gbytes; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
-    __m512i d[kRows][kChains];
+    const uint8_t* w[kPanels];
+    for (int p = 0; p < kPanels; ++p) {
+      w[p] = panel0 + p * panel_stride + gi * gbytes;
+      const char* ahead = reinterpret_cast<const char*>(w[p]) + kPrefetchGroups * gbytes;
+      for (int64_t off = 0; off < gbytes; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
+    }
+    __m512i d[kRows][kPanels][kChains];
     for (int i = 0; i < kRows; ++i)
-      for (int u = 0; u < kChains; ++u) d[i][u] = _mm512_setzero_si512();
+      for (int p = 0; p < kPanels; ++p)
+        for (int u = 0; u < kChains; ++u) d[i][p][u] = _mm512_setzero_si512();
     if constexpr (M == Method::kInt8) {
       // A group of 32 is half a chunk, one of 128 two chunks.
       for (int c = 0; c < group; c += kChunkBytes) {
@@ -39,11 +41,12 @@ inline void gemm_quant_rows(int64_t K, int group, const QuantRows& a, int i0, co
         const int32_t* x[kRows];
         for (int i = 0; i < kRows; ++i) x[i] = reinterpret_cast<const int32_t*>(quant_at(a, i0 + i, k0 + c));
         for (int r = 0; r < quads; r += kChains)
-          for (int u = 0; u < kChains; ++u) {
-            const __m512i wv = _mm512_loadu_si512(w + (c / 4 + r + u) * 64);
-            for (int i = 0; i < kRows; ++i)
-              d[i][u] = _mm512_dpbusd_epi32(d[i][u], wv, _mm512_set1_epi32(x[i][r + u]));
-          }
+          for (int u = 0; u < kChains; ++u)
+            for (int p = 0; p < kPanels; ++p) {
+              const __m512i wv = _mm512_loadu_si512(w[p] + (c / 4 + r + u) * 64);
+              for (int i = 0; i < kRows; ++i)
+                d[i][p][u] = _mm512_dpbusd_epi32(d[i][p][u], wv, _mm512_set1_epi32(x[i][r + u]));
+            }
       }
     } else {
       // Low nibbles hold the first half of the group, high nibbles the second.
@@ -55,40 +58,48 @@ inline void gemm_quant_rows(int64_t K, int group, const QuantRows& a, int i0, co
         hi_x[i] = reinterpret_cast<const int32_t*>(quant_at(a, i0 + i, k0 + group / 2));
       }
       for (int r = 0; r < half; r += kChains / 2)
-        for (int u = 0; u < kChains / 2; ++u) {
-          const __m512i v = _mm512_loadu_si512(w + (r + u) * 64);
-          const __m512i lo = _mm512_and_si512(v, nibble);
-          const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
-          for (int i = 0; i < kRows; ++i) {
-            d[i][2 * u] = _mm512_dpbusd_epi32(d[i][2 * u], lo, _mm512_set1_epi32(lo_x[i][r + u]));
-            d[i][2 * u + 1] = _mm512_dpbusd_epi32(d[i][2 * u + 1], hi, _mm512_set1_epi32(hi_x[i][r + u]));
+        for (int u = 0; u < kChains / 2; ++u)
+          for (int p = 0; p < kPanels; ++p) {
+            const __m512i v = _mm512_loadu_si512(w[p] + (r + u) * 64);
+            const __m512i lo = _mm512_and_si512(v, nibble);
+            const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+            for (int i = 0; i < kRows; ++i) {
+              d[i][p][2 * u] = _mm512_dpbusd_epi32(d[i][p][2 * u], lo, _mm512_set1_epi32(lo_x[i][r + u]));
+              d[i][p][2 * u + 1] =
+                  _mm512_dpbusd_epi32(d[i][p][2 * u + 1], hi, _mm512_set1_epi32(hi_x[i][r + u]));
+            }
           }
-        }
     }
-    const __m512 ws = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + wbytes)));
-    const __m512 wm =
-        M == Method::kInt8
-            ? _mm512_mul_ps(ws, _mm512_set1_ps(-128.0f))
-            : _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + wbytes + 32)));
-    for (int i = 0; i < kRows; ++i) {
-      __m512i dsum = d[i][0];
-      for (int u = 1; u < kChains; ++u) dsum = _mm512_add_epi32(dsum, d[i][u]);
-      const __m512 t = _mm512_mul_ps(wm, _mm512_set1_ps(a.scaled_sum[i0 + i][gi]));
-      acc[i] =
-          _mm512_add_ps(acc[i], _mm512_fmadd_ps(_mm512_cvtepi32_ps(dsum),
-                                                _mm512_mul_ps(ws, _mm512_set1_ps(a.scale[i0 + i][gi])), t));
+    for (int p = 0; p < kPanels; ++p) {
+      const __m512 ws = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[p] + wbytes)));
+      const __m512 wm =
+          M == Method::kInt8
+              ? _mm512_mul_ps(ws, _mm512_set1_ps(-128.0f))
+              : _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[p] + wbytes + 32)));
+      for (int i = 0; i < kRows; ++i) {
+        __m512i dsum = d[i][p][0];
+        for (int u = 1; u < kChains; ++u) dsum = _mm512_add_epi32(dsum, d[i][p][u]);
+        const __m512 t = _mm512_mul_ps(wm, _mm512_set1_ps(a.scaled_sum[i0 + i][gi]));
+        acc[i][p] = _mm512_add_ps(acc[i][p],
+                                  _mm512_fmadd_ps(_mm512_cvtepi32_ps(dsum),
+                                                  _mm512_mul_ps(ws, _mm512_set1_ps(a.scale[i0 + i][gi])), t));
+      }
     }
   }
-  for (int i = 0; i < kRows; ++i) _mm512_storeu_ps(out[i], acc[i]);
+  for (int i = 0; i < kRows; ++i)
+    for (int p = 0; p < kPanels; ++p) _mm512_storeu_ps(out[i] + p * kPanelWidth, acc[i][p]);
 }
 
 template <Method M>
 void gemm_quant(int m, int64_t K, int group, const QuantRows& a, const uint8_t* panels, int npanels, float* c,
                 int64_t ldc) {
-  for_each_row_block(m, panels, npanels, panel_bytes(M, group, K), c, ldc,
-                     [&](auto rows, int i0, const uint8_t* panel, float* const* out) {
-                       gemm_quant_rows<M, decltype(rows)::value>(K, group, a, i0, panel, out);
-                     });
+  const int64_t stride = panel_bytes(M, group, K);
+  for_each_row_block<4>(
+      m, panels, npanels, stride, c, ldc,
+      [&](auto rows, auto panels_per_pass, int i0, const uint8_t* panel, float* const* out) {
+        gemm_quant_rows<M, decltype(rows)::value, decltype(panels_per_pass)::value>(K, group, a, i0, panel,
+                                                                                    stride, out);
+      });
 }
 
 }  // namespace kt::kernels::avx512

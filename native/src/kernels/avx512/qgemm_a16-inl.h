@@ -77,7 +77,7 @@ inline void gemm_a16_rows(int64_t K, int group, const Int16Rows& a, int i0, cons
   };
   for (int64_t gi = 0; gi < groups; ++gi) {
     const uint8_t* w = panel + gi * gbytes;
-    const char* ahead = reinterpret_cast<const char*>(w) + 8 * gbytes;  // as in qgemm-inl.h
+    const char* ahead = reinterpret_cast<const char*>(w) + kPrefetchGroups * gbytes;
     for (int64_t off = 0; off < gbytes; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
     for (int i = 0; i < kRows; ++i)
       for (int u = 0; u < kChains; ++u) d[i][u] = _mm512_setzero_si512();
@@ -127,10 +127,11 @@ void gemm_quant_a16(int m, int64_t K, int group, const Bf16Rows& a, const uint8_
                     float* c, int64_t ldc) {
   thread_local Int16Rows rows;
   rows.quantize(a, m, K, group);
-  for_each_row_block(m, panels, npanels, panel_bytes(M, group, K), c, ldc,
-                     [&](auto rows_per_pass, int i0, const uint8_t* panel, float* const* out) {
-                       gemm_a16_rows<M, decltype(rows_per_pass)::value>(K, group, rows, i0, panel, out);
-                     });
+  for_each_row_block(
+      m, panels, npanels, panel_bytes(M, group, K), c, ldc,
+      [&](auto rows_per_pass, auto /*one panel*/, int i0, const uint8_t* panel, float* const* out) {
+        gemm_a16_rows<M, decltype(rows_per_pass)::value>(K, group, rows, i0, panel, out);
+      });
 }
 
 }  // namespace kt::kernels::avx512
