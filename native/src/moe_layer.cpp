@@ -1,7 +1,6 @@
 #include "kt/moe_layer.h"
 
 #include <algorithm>
-#include <cmath>
 #include <cstring>
 #include <stdexcept>
 #include <string>

@@ -84,8 +84,8 @@ void* alloc_on_node(size_t bytes, int node_os_index) {
     p = hwloc_alloc_membind(g_topo, bytes, node->nodeset, HWLOC_MEMBIND_BIND, HWLOC_MEMBIND_BYNODESET);
   if (!p) p = hwloc_alloc(g_topo, bytes);  // page-aligned; first touch by the node's threads
   if (!p) throw std::bad_alloc();
-  // Weights are streamed once per forward: 2 MiB pages cut the page walks of that stream (a cold
-  // bf16 GEMM ran 5-15% faster). Advisory: kernels with THP off keep 4 KiB pages.
+  // Weights are streamed once per forward: 2 MiB pages cut the page walks of that stream (INT4
+  // decode over 8 layer copies ran 4% faster). Advisory: with THP off the pages stay 4 KiB.
   madvise(p, bytes, MADV_HUGEPAGE);
   return p;
 }
