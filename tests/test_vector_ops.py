@@ -52,3 +52,10 @@ def test_add_weighted_matches_torch(isa, n):
     expected = y.double() + 0.37 * c.double()
     _native.add_weighted(isa, y.data_ptr(), c.data_ptr(), 0.37, n)
     torch.testing.assert_close(y.double(), expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("isa", ALL)
+def test_element_wise_family_follows_the_path(isa):
+    # AMX adds nothing to element-wise work: its table takes the AVX-512 versions
+    expected = "avx512" if isa == "amx" else isa
+    assert _native.kernel_families(isa)["SiLU and weighted accumulation"] == expected

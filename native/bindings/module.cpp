@@ -87,7 +87,8 @@ PYBIND11_MODULE(_native, m) {
     const KernelTable& t = kernel_table(*parsed);
     return py::dict(py::arg("BF16") = isa_name(t.isa_bf16), py::arg("AMXINT8") = isa_name(t.isa_int8),
                     py::arg("AMXINT4") = isa_name(t.isa_int4),
-                    py::arg("AMXINT8/AMXINT4 down projection (bf16 input)") = isa_name(t.isa_a16));
+                    py::arg("AMXINT8/AMXINT4 down projection (bf16 input)") = isa_name(t.isa_a16),
+                    py::arg("SiLU and weighted accumulation") = isa_name(t.isa_vector));
   });
 
   // The element-wise kernels of one ISA's table, for tests (contiguous fp32 / bf16 buffers of n).

@@ -23,6 +23,7 @@ KernelTable make_table(Isa isa) {
                 Isa::kScalar,
                 Isa::kScalar,
                 Isa::kScalar,
+                Isa::kScalar,
                 Isa::kScalar};
   t.isa = isa;
   if (isa >= Isa::kAvx2) {
@@ -32,9 +33,11 @@ KernelTable make_table(Isa isa) {
     t.gemm_int8_a16 = kernels::avx2::gemm_int8_a16, t.gemm_int4_a16 = kernels::avx2::gemm_int4_a16;
     t.isa_a16 = Isa::kAvx2;
     t.silu_mul = kernels::avx2::silu_mul, t.add_weighted = kernels::avx2::add_weighted;
+    t.isa_vector = Isa::kAvx2;
   }
   if (isa >= Isa::kAvx512) {
     t.silu_mul = kernels::avx512::silu_mul, t.add_weighted = kernels::avx512::add_weighted;
+    t.isa_vector = Isa::kAvx512;
     if (f.avx512_bf16) t.gemm_bf16 = kernels::avx512::gemm_bf16, t.isa_bf16 = Isa::kAvx512;
     if (f.avx512_vnni) {
       t.gemm_int8 = kernels::avx512::gemm_int8, t.isa_int8 = Isa::kAvx512;

@@ -55,7 +55,7 @@ struct KernelTable {
   SiluMulFn silu_mul;
   AddWeightedFn add_weighted;
   // Which family each entry comes from (for doctor and tests).
-  Isa isa_bf16, isa_int8, isa_int4, isa_a16;
+  Isa isa_bf16, isa_int8, isa_int4, isa_a16, isa_vector;
 };
 
 // Table for `isa` (which must be supported by this CPU).
