@@ -1,5 +1,6 @@
 // AVX-512 VNNI quantized GEMM (INT8 and INT4): vpdpbusd of packed u8 weights with broadcast s8
-// activations, up to 4 rows of A per pass, the group epilogue of ../epilogue.h.
+// activations, up to 4 rows of A per pass (one row: four panels per pass), the group epilogue of
+// ../epilogue.h.
 #pragma once
 
 #include <immintrin.h>
