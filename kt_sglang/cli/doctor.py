@@ -48,6 +48,7 @@ def run_doctor() -> int:
             "avx512vl",
             "avx512_vnni",
             "avx512_bf16",
+            "avx512_vbmi",
             "amx_tile",
             "amx_int8",
             "amx_bf16",

@@ -70,6 +70,7 @@ PYBIND11_MODULE(_native, m) {
         py::arg("f16c") = f.f16c, py::arg("avx512f") = f.avx512f, py::arg("avx512bw") = f.avx512bw,
         py::arg("avx512vl") = f.avx512vl, py::arg("avx512dq") = f.avx512dq,
         py::arg("avx512_vnni") = f.avx512_vnni, py::arg("avx512_bf16") = f.avx512_bf16,
+        py::arg("avx512_vbmi") = f.avx512_vbmi,
         py::arg("amx_tile") = f.amx_tile, py::arg("amx_int8") = f.amx_int8, py::arg("amx_bf16") = f.amx_bf16,
         py::arg("os_avx") = f.os_avx, py::arg("os_avx512") = f.os_avx512, py::arg("os_amx") = f.os_amx,
         py::arg("amx_permitted") = f.amx_permitted, py::arg("amx_permission_error") = f.amx_permission_error);

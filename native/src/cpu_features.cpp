@@ -50,7 +50,7 @@ CpuFeatures detect() {
   __cpuid_count(7, 0, a, b, c, d);
   f.avx2 = bit(b, 5);
   f.avx512f = bit(b, 16), f.avx512dq = bit(b, 17), f.avx512bw = bit(b, 30), f.avx512vl = bit(b, 31);
-  f.avx512_vnni = bit(c, 11);
+  f.avx512_vbmi = bit(c, 1), f.avx512_vnni = bit(c, 11);
   f.amx_bf16 = bit(d, 22), f.amx_tile = bit(d, 24), f.amx_int8 = bit(d, 25);
   const unsigned subleaves = a;
   if (subleaves >= 1) {
@@ -118,7 +118,7 @@ bool isa_supported(Isa isa) {
     case Isa::kAvx512:
       return avx512;
     case Isa::kAmx:
-      return avx512 && f.avx512_vnni && f.avx512_bf16 && f.amx_tile && f.amx_int8 && f.amx_bf16 &&
+      return avx512 && f.avx512_vnni && f.avx512_bf16 && f.avx512_vbmi && f.amx_tile && f.amx_int8 && f.amx_bf16 &&
              f.amx_permitted;
   }
   return false;

@@ -19,7 +19,7 @@ struct CpuFeatures {
   // CPUID bits.
   bool avx2 = false, fma = false, f16c = false;
   bool avx512f = false, avx512bw = false, avx512vl = false, avx512dq = false;
-  bool avx512_vnni = false, avx512_bf16 = false;
+  bool avx512_vnni = false, avx512_bf16 = false, avx512_vbmi = false;
   bool amx_tile = false, amx_int8 = false, amx_bf16 = false;
   // What the OS enables (XCR0) and grants (AMX tile data needs arch_prctl permission).
   bool os_avx = false, os_avx512 = false, os_amx = false;

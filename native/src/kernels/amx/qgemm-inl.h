@@ -1,5 +1,7 @@
-// AMX quantized GEMM (INT8 and INT4): tdpbsud (s8 activations x u8 weights), 32 rows x 32 channels
-// per step, with the group epilogue of ../epilogue.h after every group.
+// AMX quantized GEMM (INT8 and INT4), 32 rows x 32 channels per step, with the group epilogue of
+// ../epilogue.h after every group. INT4 runs tdpbsud (s8 activations x u8 nibbles); INT8 weights
+// are staged as signed q = u - 128 and run tdpbssd, which drops the offset term (and one of the
+// epilogue's four vector operations per 16 sums) for INT8.
 //
 // Loop order: channel pair (2 panels) > group > block of 32 rows. The pair's B tiles of a group are
 // loaded once and stay in tile registers for every row block; the pair's fp32 sums (m x 32) stay in
@@ -16,14 +18,16 @@
 namespace kt::kernels::amx {
 
 // B tile rows (group / 4 rows of 64 bytes) of one packed panel group, in L1: INT4 unpacked from
-// nibbles, INT8 copied. Tile loads straight from DRAM stalled AMX (INT8 ran at half INT4's speed);
+// nibbles, INT8 made signed. Tile loads straight from DRAM stalled AMX (INT8 ran at half INT4's speed);
 // vector loads stream with the hardware prefetcher, helped by a prefetch of the group ahead.
 template <Method M>
 inline void stage_group(const uint8_t* w, int group, int64_t gbytes, uint8_t* out) {
   for (int64_t off = 0; off < gbytes; off += 64)
     _mm_prefetch(reinterpret_cast<const char*>(w + 2 * gbytes + off), _MM_HINT_T0);
   if constexpr (M == Method::kInt8) {
-    for (int r = 0; r < group / 4; ++r) _mm512_store_si512(out + r * 64, _mm512_loadu_si512(w + r * 64));
+    const __m512i sign = _mm512_set1_epi8(static_cast<char>(0x80));
+    for (int r = 0; r < group / 4; ++r)
+      _mm512_store_si512(out + r * 64, _mm512_xor_si512(_mm512_loadu_si512(w + r * 64), sign));
   } else {
     const __m512i nibble = _mm512_set1_epi8(0x0f);
     const int half = group / 8;
@@ -34,6 +38,14 @@ inline void stage_group(const uint8_t* w, int group, int64_t gbytes, uint8_t* ou
     }
   }
 }
+
+// C tile += A tile x B tile: s8 x s8 for INT8, s8 x u8 for INT4. A macro: GCC's tile intrinsics
+// paste their tile numbers into the assembly text, so they must be literals.
+#define KT_TILE_DOT(M, c, a, b)     \
+  if constexpr (M == Method::kInt8) \
+    _tile_dpbssd(c, a, b);          \
+  else                              \
+    _tile_dpbsud(c, a, b)
 
 template <Method M>
 void gemm_quant(int m, int64_t K, int group, const QuantRows& a, const uint8_t* panels, int npanels, float* c,
@@ -75,12 +87,12 @@ void gemm_quant(int m, int64_t K, int group, const QuantRows& a, const uint8_t* 
     for (int i = 0; i < rows; ++i) {
       const int r = b * kRowBlock + i;
       const __m512 sa = _mm512_set1_ps(a.scale[r][pend.group]);
-      const __m512 ss = _mm512_set1_ps(a.scaled_sum[r][pend.group]);
       for (int h = 0; h < 2; ++h) {
         const __m512 dv = _mm512_cvtepi32_ps(_mm512_load_si512(&d[i][16 * h]));
         __m512 s = _mm512_loadu_ps(sums + i * 32 + 16 * h);
         s = _mm512_fmadd_ps(_mm512_mul_ps(dv, pend.ws[h]), sa, s);
-        s = _mm512_fmadd_ps(pend.wm[h], ss, s);
+        if constexpr (M == Method::kInt4)
+          s = _mm512_fmadd_ps(pend.wm[h], _mm512_set1_ps(a.scaled_sum[r][pend.group]), s);
         _mm512_storeu_ps(sums + i * 32 + 16 * h, s);
       }
     }
@@ -102,9 +114,8 @@ void gemm_quant(int m, int64_t K, int group, const QuantRows& a, const uint8_t* 
       for (int h = 0; h < 2; ++h) {
         const uint8_t* s = (h == 0 ? g0 : g1) + wbytes;
         now.ws[h] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
-        now.wm[h] = M == Method::kInt8
-                        ? _mm512_mul_ps(now.ws[h], _mm512_set1_ps(-128.0f))
-                        : _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 32)));
+        if constexpr (M == Method::kInt4)
+          now.wm[h] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 32)));
       }
       if (ktiles == 1) {  // the group's B tiles stay loaded for every row block
         _tile_loadd(6, staged[0], 64);
@@ -112,6 +123,7 @@ void gemm_quant(int m, int64_t K, int group, const QuantRows& a, const uint8_t* 
       }
       for (int b = 0; b < blocks; ++b, ++step) {
         int32_t (*d)[32] = dots[step & 1];
+        const bool lower = m - b * kRowBlock > 16;  // else the lower A tile is all padding
         _tile_zero(0);
         _tile_zero(1);
         _tile_zero(2);
@@ -123,16 +135,20 @@ void gemm_quant(int m, int64_t K, int group, const QuantRows& a, const uint8_t* 
             _tile_loadd(7, staged[1] + t * 1024, 64);
           }
           _tile_loadd(4, chunk, 64);
-          _tile_loadd(5, chunk + 16 * 64, 64);
-          _tile_dpbsud(0, 4, 6);
-          _tile_dpbsud(1, 4, 7);
-          _tile_dpbsud(2, 5, 6);
-          _tile_dpbsud(3, 5, 7);
+          KT_TILE_DOT(M, 0, 4, 6);
+          KT_TILE_DOT(M, 1, 4, 7);
+          if (lower) {
+            _tile_loadd(5, chunk + 16 * 64, 64);
+            KT_TILE_DOT(M, 2, 5, 6);
+            KT_TILE_DOT(M, 3, 5, 7);
+          }
         }
         _tile_stored(0, &d[0][0], 128);
         _tile_stored(1, &d[0][16], 128);
-        _tile_stored(2, &d[16][0], 128);
-        _tile_stored(3, &d[16][16], 128);
+        if (lower) {
+          _tile_stored(2, &d[16][0], 128);
+          _tile_stored(3, &d[16][16], 128);
+        }
         if (pending.block >= 0) epilogue(pending);
         now.block = b;
         now.slot = step & 1;
@@ -144,5 +160,7 @@ void gemm_quant(int m, int64_t K, int group, const QuantRows& a, const uint8_t* 
     for (int i = 0; i < m; ++i) std::copy_n(acc.data() + i * 32, width, c + i * ldc + p * kPanelWidth);
   }
 }
+
+#undef KT_TILE_DOT
 
 }  // namespace kt::kernels::amx

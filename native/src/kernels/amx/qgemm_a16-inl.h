@@ -12,75 +12,91 @@
 
 namespace kt::kernels::amx {
 
-// Byte j of every 32-bit lane as fp32, sign-extended or not.
-template <int j, bool kSigned>
-inline __m512 lane_byte_ps(__m512i v) {
-  if constexpr (kSigned) {
-    const __m512i up = j == 3 ? v : _mm512_slli_epi32(v, 24 - 8 * j);
-    return _mm512_cvtepi32_ps(_mm512_srai_epi32(up, 24));
-  } else {
-    const __m512i down = j == 0 ? v : _mm512_srli_epi32(v, 8 * j);
-    return _mm512_cvtepi32_ps(j == 3 ? down : _mm512_and_si512(down, _mm512_set1_epi32(0xff)));
-  }
-}
-
-// The weights of one VNNI row (byte j of lane n: channel n, K-value 4r + j) as four fp32 vectors,
-// K-value by K-value: INT8 as signed q = u - 128, INT4 nibbles as they are.
-template <Method M>
-inline void widen_vnni_row(__m512i v, __m512 f[4]) {
-  constexpr bool kSigned = M == Method::kInt8;
-  if constexpr (kSigned) v = _mm512_xor_si512(v, _mm512_set1_epi8(static_cast<char>(0x80)));
-  f[0] = lane_byte_ps<0, kSigned>(v);
-  f[1] = lane_byte_ps<1, kSigned>(v);
-  f[2] = lane_byte_ps<2, kSigned>(v);
-  f[3] = lane_byte_ps<3, kSigned>(v);
-}
-
-// Calls body(v, r) for every VNNI row of a group's weights as a row of bytes: r is its row in the
-// group (K-values 4r .. 4r + 3). INT4 rows come from the low and high nibbles of one 64-byte row.
-template <Method M, class F>
-inline void for_each_vnni_row(const uint8_t* w, int group, F&& body) {
-  if constexpr (M == Method::kInt8) {
-    for (int r = 0; r < group / 4; ++r) body(_mm512_loadu_si512(w + r * 64), r);
-  } else {
-    const __m512i nibble = _mm512_set1_epi8(0x0f);
-    const int half = group / 8;
-    for (int r = 0; r < half; ++r) {
-      const __m512i v = _mm512_loadu_si512(w + r * 64);
-      body(_mm512_and_si512(v, nibble), r);
-      body(_mm512_and_si512(_mm512_srli_epi16(v, 4), nibble), r + half);
+// Dequantization in three vector steps per 16 weights: a byte permute (VBMI) moves each packed
+// byte to the top of a 32-bit lane in the order the BF16 VNNI row wants; an unsigned conversion
+// makes it u * 2^24 (INT4 nibbles: masked, u * 2^24 or u * 2^28), exactly; one fma with the scale
+// divided by that power of two and the offset gives w = ws * u + wm, rounded once as before.
+// Two such vectors make one 64-byte BF16 VNNI row with no further shuffle.
+//
+// A packed VNNI row holds channel n's K-values 4r + j in byte 4n + j. BF16 VNNI row 2r + h holds
+// channel n's K-values 4r + 2h and 4r + 2h + 1 in 32-bit lane n, split into two fp32 vectors of 8
+// channels each (lo: channels 0-7, hi: 8-15), element 2c + i being channel c, K-value 2h + i.
+struct DequantPermutes {
+  __m512i idx[2][2];  // [h][hi]: source byte of each output lane, repeated in its four bytes
+  __m512i pair[2];    // [hi]: which channel's scale each fp32 element takes
+  DequantPermutes() {
+    alignas(64) uint8_t bytes[64];
+    alignas(64) uint32_t lanes[16];
+    for (int h = 0; h < 2; ++h)
+      for (int hi = 0; hi < 2; ++hi) {
+        for (int e = 0; e < 16; ++e)
+          for (int b = 0; b < 4; ++b)
+            bytes[4 * e + b] = static_cast<uint8_t>(4 * (8 * hi + e / 2) + 2 * h + e % 2);
+        idx[h][hi] = _mm512_load_si512(bytes);
+      }
+    for (int hi = 0; hi < 2; ++hi) {
+      for (int e = 0; e < 16; ++e) lanes[e] = 8 * hi + e / 2;
+      pair[hi] = _mm512_load_si512(lanes);
     }
   }
-}
-
-// Two fp32 vectors of 16 channels -> one BF16 VNNI row: lane n holds (bf16(lo[n]), bf16(hi[n])).
-inline __m512i bf16_pair_row(__m512 lo, __m512 hi) {
-  alignas(64) static const uint16_t kInterleave[32] = {0,  16, 1,  17, 2,  18, 3,  19, 4,  20, 5,
-                                                       21, 6,  22, 7,  23, 8,  24, 9,  25, 10, 26,
-                                                       11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-  const __m512i halves = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));  // lo in lanes 0-15
-  return _mm512_permutexvar_epi16(_mm512_load_si512(kInterleave), halves);
-}
+};
 
 // One packed INT8/INT4 panel over K -> the BF16 panel layout (K / 2 rows of 64 bytes).
 template <Method M>
 void dequantize_panel(const uint8_t* panel, int64_t K, int group, uint8_t* out) {
+  static const DequantPermutes perm;
+  constexpr __mmask64 kTopBytes = 0x8888888888888888ull;
   const int64_t gbytes = group_bytes(M, group), wbytes = group_weight_bytes(M, group);
   for (int64_t gi = 0; gi < K / group; ++gi) {
     const uint8_t* w = panel + gi * gbytes;
     const __m512 ws = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + wbytes)));
+    // INT8 stores u = q + 128: w = ws * u - 128 * ws (exact offset, one rounding as with q).
     const __m512 wm =
         M == Method::kInt4
             ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + wbytes + 32)))
-            : _mm512_setzero_ps();
+            : _mm512_mul_ps(ws, _mm512_set1_ps(-128.0f));
+    const __m512 ws24 = _mm512_mul_ps(ws, _mm512_set1_ps(0x1p-24f));
+    __m512 scale[2], offset[2];
+    for (int hi = 0; hi < 2; ++hi) {
+      scale[hi] = _mm512_permutexvar_ps(perm.pair[hi], ws24);
+      offset[hi] = _mm512_permutexvar_ps(perm.pair[hi], wm);
+    }
+    // BF16 VNNI rows 2r and 2r + 1 from the top bytes `p[h][hi]` (already masked to the weight).
+    auto store_rows = [&](const __m512i p[2][2], const __m512 s[2], uint8_t* dst) {
+      for (int h = 0; h < 2; ++h) {
+        const __m512 lo = _mm512_fmadd_ps(_mm512_cvtepu32_ps(p[h][0]), s[0], offset[0]);
+        const __m512 hi = _mm512_fmadd_ps(_mm512_cvtepu32_ps(p[h][1]), s[1], offset[1]);
+        _mm512_store_si512(dst + h * 64, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+      }
+    };
     uint8_t* dst = out + gi * group / 2 * 64;
-    for_each_vnni_row<M>(w, group, [&](__m512i v, int r) {
-      __m512 f[4];
-      widen_vnni_row<M>(v, f);
-      for (int j = 0; j < 4; ++j) f[j] = _mm512_fmadd_ps(f[j], ws, wm);
-      _mm512_storeu_si512(dst + (2 * r) * 64, bf16_pair_row(f[0], f[1]));
-      _mm512_storeu_si512(dst + (2 * r + 1) * 64, bf16_pair_row(f[2], f[3]));
-    });
+    if constexpr (M == Method::kInt8) {
+      for (int r = 0; r < group / 4; ++r) {
+        const __m512i v = _mm512_loadu_si512(w + r * 64);
+        __m512i p[2][2];
+        for (int h = 0; h < 2; ++h)
+          for (int hi = 0; hi < 2; ++hi)
+            p[h][hi] = _mm512_maskz_permutexvar_epi8(kTopBytes, perm.idx[h][hi], v);
+        store_rows(p, scale, dst + 2 * r * 64);
+      }
+    } else {  // low nibbles are rows 0 .. half - 1 of the group, high nibbles the rest
+      const int half = group / 8;
+      const __m512i low_nibble = _mm512_set1_epi32(0x0f000000), high_nibble = _mm512_set1_epi32(0xf0000000);
+      const __m512 scale_high[2] = {_mm512_mul_ps(scale[0], _mm512_set1_ps(0x1p-4f)),
+                                    _mm512_mul_ps(scale[1], _mm512_set1_ps(0x1p-4f))};
+      for (int r = 0; r < half; ++r) {
+        const __m512i v = _mm512_loadu_si512(w + r * 64);
+        __m512i p[2][2], lo[2][2], hi[2][2];
+        for (int h = 0; h < 2; ++h)
+          for (int c = 0; c < 2; ++c) {
+            p[h][c] = _mm512_maskz_permutexvar_epi8(kTopBytes, perm.idx[h][c], v);
+            lo[h][c] = _mm512_and_si512(p[h][c], low_nibble);
+            hi[h][c] = _mm512_and_si512(p[h][c], high_nibble);
+          }
+        store_rows(lo, scale, dst + 2 * r * 64);
+        store_rows(hi, scale_high, dst + 2 * (r + half) * 64);
+      }
+    }
   }
 }
 
