@@ -27,8 +27,8 @@ def _ms(points: dict, tokens: str) -> str:
 def table(results: list[dict]) -> str:
     lines = [
         "| layer | method | threads | decode T=1 ms (% read BW) | T=4 ms | T=16 ms "
-        "| prefill tok/s 128 / 512 / 2048 | eff. TOPS at 2048 | rel. error |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| prefill tok/s 128 / 512 / 2048 | eff. TOPS at 2048 | x torch loop at 2048 | rel. error |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for res in results:
         for r in res["rows"]:
@@ -37,10 +37,11 @@ def table(results: list[dict]) -> str:
             t1 = f"{d['1']['ms']:.2f} ({100 * d['1']['bw_fraction']:.0f}%)" if "1" in d else "-"
             pre = " / ".join(f"{p[t]['tokens_per_s']:.0f}" for t in ("128", "512", "2048") if t in p)
             tops = f"{p['2048']['tops']:.2f}" if "2048" in p else "-"
+            loop = f"{p['2048']['vs_baseline']:.2f}x" if "vs_baseline" in p.get("2048", {}) else "-"
             err = f"{r['rel_error']:.4f}" if "rel_error" in r else "-"
             lines.append(
                 f"| {r['layer']} | {r['method']} | {r['threads']} | {t1} | {_ms(d, '4')} | {_ms(d, '16')} "
-                f"| {pre} | {tops} | {err} |"
+                f"| {pre} | {tops} | {loop} | {err} |"
             )
     return "\n".join(lines)
 

@@ -2,9 +2,13 @@
 
 Reports decode latency (T = 1, 4, 16) and prefill tokens/s (T = 128, 512, 2048) per method, the
 effective bandwidth (bytes of the experts a call touches / its time) as a fraction of the read
-bandwidth measured in the same run, effective TOPS (2 * T * k * 3 * H * I / time) and the relative
-error against the float32 reference. Layer weights are cycled over enough copies that the working
-set exceeds the last-level cache. Medians over repeats; JSON out.
+bandwidth, effective TOPS (2 * T * k * 3 * H * I / time) and the relative error against the float32
+reference. Layer weights are cycled over enough copies that the working set exceeds the last-level
+cache. Medians over repeats; JSON out.
+
+A shared host's memory and matrix speeds drift by 2-3x within minutes, so every ratio is taken
+between measurements interleaved in time: each decode point alternates its calls with read
+bandwidth probes, and each prefill point alternates its calls with the torch baseline's.
 """
 
 from __future__ import annotations
@@ -142,35 +146,60 @@ def _source_weights(hidden: int, inter: int, experts: int, seed: int):
     return gate, up, down
 
 
-def _median_time(forwards: list, args: tuple, calls: int) -> float:
-    """Median time of `calls` calls, cycling over `forwards` (one per copy of the weights)."""
-    times = []
-    for i in range(calls):
+def _interleaved_medians(forwards: list, args: tuple, calls: int, probe=None, rounds: int = 1):
+    """Median time of `calls` calls cycling over `forwards` (one per copy of the weights), and the
+    median of `probe()` run once before each of `rounds` equal slices of those calls (or None)."""
+    times, probes = [], []
+    per_round = -(-calls // rounds)
+    for i in range(per_round * rounds):
+        if probe is not None and i % per_round == 0:
+            probes.append(probe())
         t = time.perf_counter()
         forwards[i % len(forwards)](*args)
         times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return statistics.median(times), (statistics.median(probes) if probes else None)
+
+
+def _timed(fn, *args) -> float:
+    t = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - t
 
 
 def _routed_input(T: int, H: int, E: int, k: int, gen: torch.Generator):
     return (torch.randn(T, H, generator=gen).bfloat16(), *_routing(T, E, k, gen))
 
 
-def _measure_points(row, forwards, bytes_per_expert, layer, bw, cfg: BenchConfig, gen) -> None:
-    """Fills row["decode"] / row["prefill"]: median time per batch size, cycling the weight copies."""
+def _measure_points(
+    row, forwards, bytes_per_expert, layer, threads, cfg: BenchConfig, gen, baseline=None
+) -> None:
+    """Fills row["decode"] / row["prefill"]: median time per batch size, cycling the weight copies.
+
+    Decode points interleave read bandwidth probes with their calls ("read_bandwidth_gbs" of the
+    point); prefill points interleave one call of `baseline` (the torch loop) per repeat.
+    """
     H, I, E, k = LAYERS[layer]
     for T in cfg.decode_tokens + cfg.prefill_tokens:
         x, ids, wts = _routed_input(T, H, E, k, gen)
+        decode = T in cfg.decode_tokens
         calls = max(cfg.repeats, len(forwards)) if T <= 16 else cfg.repeats
-        t = _median_time(forwards, (x, ids, wts), calls)
+        if decode:
+            probe = functools.partial(read_bandwidth_gbs, threads, gib=0.5, repeats=2)
+        else:
+            probe = None if baseline is None else functools.partial(_timed, baseline, x, ids, wts)
+        t, probed = _interleaved_medians(forwards, (x, ids, wts), calls, probe, rounds=cfg.repeats)
         touched = ids.unique().numel() * bytes_per_expert  # distinct experts' weights read
-        (row["decode"] if T in cfg.decode_tokens else row["prefill"])[T] = {
+        point = {
             "ms": t * 1e3,
             "tokens_per_s": T / t,
             "eff_gbs": touched / t / 1e9,
-            "bw_fraction": touched / t / 1e9 / bw,
             "tops": 2 * T * k * 3 * H * I / t / 1e12,
         }
+        if decode:
+            point.update(read_bandwidth_gbs=probed, bw_fraction=touched / t / 1e9 / probed)
+        elif probed is not None:
+            point.update(baseline_ms=probed * 1e3, vs_baseline=probed / t)
+        (row["decode"] if decode else row["prefill"])[T] = point
 
 
 def _torch_moe(x, ids, weights, *, gate, up, down):
@@ -213,10 +242,10 @@ def run_benchmark(cfg: BenchConfig) -> dict:
         ids_acc, w_acc = _routing(64, E, k, gen)
         ref = moe_reference(x_acc, gate, up, down, ids_acc, w_acc)
         for threads in cfg.threads:
-            # Bandwidth and matrix speed of a shared host drift within minutes: re-measure per row.
-            bw = read_bandwidth_gbs(threads)
+            baseline = None
             if cfg.baseline:
-                results["rows"].append(_bench_baseline(layer, threads, bw, gate, up, down, cfg, gen))
+                row, baseline = _bench_baseline(layer, threads, gate, up, down, cfg, gen)
+                results["rows"].append(row)
             for method in cfg.methods:
                 SharedRunner.reset()
                 first = KTMoEWrapper(0, E, k, H, I, None, threads, 1, method=method)
@@ -232,9 +261,7 @@ def run_benchmark(cfg: BenchConfig) -> dict:
                     w = KTMoEWrapper(c, E, k, H, I, None, threads, 1, method=method)
                     w.load_weights_from_tensors(gate, up, down)
                     layers.append(w)
-                bw = read_bandwidth_gbs(threads)
                 row = {
-                    "read_bandwidth_gbs": bw,
                     "layer": layer,
                     "method": method,
                     "threads": threads,
@@ -247,7 +274,8 @@ def run_benchmark(cfg: BenchConfig) -> dict:
                     "prefill": {},
                 }
                 layers[0].forward(*_routed_input(16, H, E, k, gen))  # warm: scratch sized once
-                _measure_points(row, [w.forward for w in layers], first.packed_bytes / E, layer, bw, cfg, gen)
+                forwards = [w.forward for w in layers]
+                _measure_points(row, forwards, first.packed_bytes / E, layer, threads, cfg, gen, baseline)
                 results["rows"].append(row)
                 results["matmul_tflops"][threads].append(matmul_tflops(threads))
                 del layers, first
@@ -255,8 +283,9 @@ def run_benchmark(cfg: BenchConfig) -> dict:
     return results
 
 
-def _bench_baseline(layer, threads, bw, gate, up, down, cfg: BenchConfig, gen) -> dict:
-    """Plain torch bf16 per-expert loop on `threads` intra-op threads, same shapes."""
+def _bench_baseline(layer, threads, gate, up, down, cfg: BenchConfig, gen):
+    """Plain torch bf16 per-expert loop on `threads` intra-op threads, same shapes: its row, and
+    one forward on the first weight copy for the methods' interleaved prefill ratios."""
     H, I, E, k = LAYERS[layer]
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -265,16 +294,23 @@ def _bench_baseline(layer, threads, bw, gate, up, down, cfg: BenchConfig, gen) -
     row = {
         "layer": layer,
         "method": "torch-bf16-baseline",
-        "read_bandwidth_gbs": bw,
         "threads": threads,
         "copies": copies,
         "decode": {},
         "prefill": {},
     }
     forwards = [functools.partial(_torch_moe, gate=g, up=u, down=d) for g, u, d in weights]
-    _measure_points(row, forwards, 3 * H * I * 2, layer, bw, cfg, gen)
+    _measure_points(row, forwards, 3 * H * I * 2, layer, threads, cfg, gen)
     torch.set_num_threads(old)
-    return row
+
+    def baseline(*args):
+        torch.set_num_threads(threads)
+        try:
+            forwards[0](*args)
+        finally:
+            torch.set_num_threads(old)
+
+    return row, baseline
 
 
 def print_table(results: dict) -> None:
@@ -287,12 +323,16 @@ def print_table(results: dict) -> None:
         )
     header = (
         "| layer | method | threads | decode ms (T: ms, % of read BW) "
-        "| prefill tok/s (T: tok/s, TOPS) | rel. error |"
+        "| prefill tok/s (T: tok/s, TOPS, x the torch loop interleaved) | rel. error |"
     )
     print(header)
     print("|---|---|---|---|---|---|")
     for r in results["rows"]:
         dec = ", ".join(f"{T}: {p['ms']:.2f} ({100 * p['bw_fraction']:.0f}%)" for T, p in r["decode"].items())
-        pre = ", ".join(f"{T}: {p['tokens_per_s']:.0f} ({p['tops']:.2f})" for T, p in r["prefill"].items())
+        pre = ", ".join(
+            f"{T}: {p['tokens_per_s']:.0f} ({p['tops']:.2f}"
+            + (f", {p['vs_baseline']:.2f}x loop)" if "vs_baseline" in p else ")")
+            for T, p in r["prefill"].items()
+        )
         err = f"{r['rel_error']:.4f}" if "rel_error" in r else "-"
         print(f"| {r['layer']} | {r['method']} | {r['threads']} | {dec} | {pre} | {err} |")
