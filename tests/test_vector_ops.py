@@ -1,5 +1,5 @@
-"""The element-wise kernels around the GEMMs (silu * up to bf16, weighted accumulation) on every
-ISA path, against float64 torch."""
+"""The element-wise kernels around the GEMMs (silu * up to bf16, weighted accumulation, the sum of
+the pools' partial outputs into bf16) on every ISA path, against torch."""
 
 from __future__ import annotations
 
@@ -52,6 +52,24 @@ def test_add_weighted_matches_torch(isa, n):
     expected = y.double() + 0.37 * c.double()
     _native.add_weighted(isa, y.data_ptr(), c.data_ptr(), 0.37, n)
     torch.testing.assert_close(y.double(), expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("isa", ALL)
+@pytest.mark.parametrize("n", [1, 7, 8, 17, 129])
+@pytest.mark.parametrize("nparts", [1, 3])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_sum_to_bf16_matches_torch(isa, n, nparts, accumulate):
+    """The pools' partial sums into the bf16 output: the same float32 additions in the same order
+    as torch, then round to nearest even, so the result must match bit for bit."""
+    g = torch.Generator().manual_seed(n + 10 * nparts)
+    parts = [torch.randn(n, generator=g) * 100 for _ in range(nparts)]
+    prior = torch.randn(n, generator=g).bfloat16()
+    out = prior.clone()
+    _native.sum_to_bf16(isa, [p.data_ptr() for p in parts], n, accumulate, out.data_ptr())
+    expected = prior.float() if accumulate else torch.zeros(n)
+    for p in parts:
+        expected = expected + p
+    assert torch.equal(out, expected.bfloat16())
 
 
 @pytest.mark.parametrize("isa", ALL)

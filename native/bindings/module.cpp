@@ -70,9 +70,9 @@ PYBIND11_MODULE(_native, m) {
         py::arg("f16c") = f.f16c, py::arg("avx512f") = f.avx512f, py::arg("avx512bw") = f.avx512bw,
         py::arg("avx512vl") = f.avx512vl, py::arg("avx512dq") = f.avx512dq,
         py::arg("avx512_vnni") = f.avx512_vnni, py::arg("avx512_bf16") = f.avx512_bf16,
-        py::arg("avx512_vbmi") = f.avx512_vbmi,
-        py::arg("amx_tile") = f.amx_tile, py::arg("amx_int8") = f.amx_int8, py::arg("amx_bf16") = f.amx_bf16,
-        py::arg("os_avx") = f.os_avx, py::arg("os_avx512") = f.os_avx512, py::arg("os_amx") = f.os_amx,
+        py::arg("avx512_vbmi") = f.avx512_vbmi, py::arg("amx_tile") = f.amx_tile,
+        py::arg("amx_int8") = f.amx_int8, py::arg("amx_bf16") = f.amx_bf16, py::arg("os_avx") = f.os_avx,
+        py::arg("os_avx512") = f.os_avx512, py::arg("os_amx") = f.os_amx,
         py::arg("amx_permitted") = f.amx_permitted, py::arg("amx_permission_error") = f.amx_permission_error);
   });
   m.def("supported_isas", [] {
@@ -110,6 +110,15 @@ PYBIND11_MODULE(_native, m) {
         table_of(isa).add_weighted(ptr<float>(y), ptr<const float>(c), weight, n);
       },
       py::arg("isa"), py::arg("y"), py::arg("c"), py::arg("weight"), py::arg("n"));
+  m.def(
+      "sum_to_bf16",
+      [table_of](const std::string& isa, const std::vector<uintptr_t>& parts, int64_t n, bool accumulate,
+                 uintptr_t out) {
+        std::vector<const float*> p;
+        for (uintptr_t a : parts) p.push_back(ptr<const float>(a));
+        table_of(isa).sum_to_bf16(p.data(), static_cast<int>(p.size()), n, accumulate, ptr<uint16_t>(out));
+      },
+      py::arg("isa"), py::arg("parts"), py::arg("n"), py::arg("accumulate"), py::arg("out"));
   m.def("topology", [] {
     const Topology& t = topology();
     py::list nodes;

@@ -20,6 +20,7 @@ KernelTable make_table(Isa isa) {
                 kernels::scalar::gemm_int4_a16,
                 kernels::scalar::silu_mul,
                 kernels::scalar::add_weighted,
+                kernels::scalar::sum_to_bf16,
                 Isa::kScalar,
                 Isa::kScalar,
                 Isa::kScalar,
@@ -33,10 +34,12 @@ KernelTable make_table(Isa isa) {
     t.gemm_int8_a16 = kernels::avx2::gemm_int8_a16, t.gemm_int4_a16 = kernels::avx2::gemm_int4_a16;
     t.isa_a16 = Isa::kAvx2;
     t.silu_mul = kernels::avx2::silu_mul, t.add_weighted = kernels::avx2::add_weighted;
+    t.sum_to_bf16 = kernels::avx2::sum_to_bf16;
     t.isa_vector = Isa::kAvx2;
   }
   if (isa >= Isa::kAvx512) {
     t.silu_mul = kernels::avx512::silu_mul, t.add_weighted = kernels::avx512::add_weighted;
+    t.sum_to_bf16 = kernels::avx512::sum_to_bf16;
     t.isa_vector = Isa::kAvx512;
     if (f.avx512_bf16) t.gemm_bf16 = kernels::avx512::gemm_bf16, t.isa_bf16 = Isa::kAvx512;
     if (f.avx512_vnni) {

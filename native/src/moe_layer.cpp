@@ -485,13 +485,11 @@ void MoeLayer::forward_task(const ForwardArgs& args, const WorkerContext& ctx) {
 
     // Phase 4: sum the pools' partial outputs into bf16.
     guarded([&] {
+      thread_local std::vector<const float*> parts;
+      grow(parts, P);
       for (int64_t t = ctx.tid; t < Tc; t += ctx.num_threads) {
-        uint16_t* out = args.out + (c0 + t) * H;
-        for (int64_t n = 0; n < H; ++n) {
-          float v = args.incremental ? bf16_to_float(out[n]) : 0.0f;
-          for (int p = 0; p < P; ++p) v += ws.pools[p].y[t * Hy + n];
-          out[n] = float_to_bf16(v);
-        }
+        for (int p = 0; p < P; ++p) parts[p] = ws.pools[p].y.data() + t * Hy;
+        table_.sum_to_bf16(parts.data(), P, H, args.incremental, args.out + (c0 + t) * H);
       }
     });
     ctx.barrier();

@@ -41,9 +41,13 @@ using GemmQuantFn = void (*)(int m, int64_t K, int group, const QuantRows& a, co
 using GemmQuantA16Fn = void (*)(int m, int64_t K, int group, const Bf16Rows& a, const uint8_t* panels,
                                 int npanels, float* c, int64_t ldc);
 
-// The element-wise steps around the GEMMs: h = bf16(silu(gate) * up), and y += weight * c.
+// The element-wise steps around the GEMMs: h = bf16(silu(gate) * up), y += weight * c, and the
+// layer's output out = bf16((accumulate ? out : 0) + parts[0] + ... + parts[nparts - 1]) (the
+// pools' partial sums, added in that order on every ISA).
 using SiluMulFn = void (*)(const float* gate, const float* up, int64_t n, uint16_t* h);
 using AddWeightedFn = void (*)(float* y, const float* c, float weight, int64_t n);
+using SumToBf16Fn = void (*)(const float* const* parts, int nparts, int64_t n, bool accumulate,
+                             uint16_t* out);
 
 struct KernelTable {
   Isa isa;
@@ -54,6 +58,7 @@ struct KernelTable {
   GemmQuantA16Fn gemm_int4_a16;
   SiluMulFn silu_mul;
   AddWeightedFn add_weighted;
+  SumToBf16Fn sum_to_bf16;
   // Which family each entry comes from (for doctor and tests).
   Isa isa_bf16, isa_int8, isa_int4, isa_a16, isa_vector;
 };
@@ -84,10 +89,11 @@ KT_DECLARE_KERNELS(avx512)
 KT_DECLARE_KERNELS(amx)
 #undef KT_DECLARE_KERNELS
 // Element-wise kernels: AMX adds nothing to them, so the AMX table takes AVX-512's.
-#define KT_DECLARE_VECTOR_OPS(ns)                                            \
-  namespace ns {                                                             \
-  void silu_mul(const float* gate, const float* up, int64_t n, uint16_t* h); \
-  void add_weighted(float* y, const float* c, float weight, int64_t n);      \
+#define KT_DECLARE_VECTOR_OPS(ns)                                                                     \
+  namespace ns {                                                                                      \
+  void silu_mul(const float* gate, const float* up, int64_t n, uint16_t* h);                          \
+  void add_weighted(float* y, const float* c, float weight, int64_t n);                               \
+  void sum_to_bf16(const float* const* parts, int nparts, int64_t n, bool accumulate, uint16_t* out); \
   }
 KT_DECLARE_VECTOR_OPS(scalar)
 KT_DECLARE_VECTOR_OPS(avx2)

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "kt/float_types.h"
 #include "kt/kernels.h"
 
 namespace kt::kernels::avx2 {
@@ -69,6 +70,24 @@ void add_weighted(float* y, const float* c, float weight, int64_t n) {
   for (; i + 8 <= n; i += 8)
     _mm256_storeu_ps(y + i, _mm256_fmadd_ps(w, _mm256_loadu_ps(c + i), _mm256_loadu_ps(y + i)));
   for (; i < n; ++i) y[i] = std::fma(weight, c[i], y[i]);
+}
+
+void sum_to_bf16(const float* const* parts, int nparts, int64_t n, bool accumulate, uint16_t* out) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 v = _mm256_setzero_ps();
+    if (accumulate) {
+      const __m256i prior = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(out + i)));
+      v = _mm256_castsi256_ps(_mm256_slli_epi32(prior, 16));
+    }
+    for (int p = 0; p < nparts; ++p) v = _mm256_add_ps(v, _mm256_loadu_ps(parts[p] + i));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), to_bf16(v));
+  }
+  for (; i < n; ++i) {  // the scalar twin's arithmetic, element by element
+    float v = accumulate ? bf16_to_float(out[i]) : 0.0f;
+    for (int p = 0; p < nparts; ++p) v += parts[p][i];
+    out[i] = float_to_bf16(v);
+  }
 }
 
 }  // namespace kt::kernels::avx2

@@ -59,4 +59,17 @@ void add_weighted(float* y, const float* c, float weight, int64_t n) {
   }
 }
 
+void sum_to_bf16(const float* const* parts, int nparts, int64_t n, bool accumulate, uint16_t* out) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = n - i >= 16 ? 0xffff : static_cast<__mmask16>((1u << (n - i)) - 1);
+    __m512 v = _mm512_setzero_ps();
+    if (accumulate) {
+      const __m512i prior = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, out + i));
+      v = _mm512_castsi512_ps(_mm512_slli_epi32(prior, 16));
+    }
+    for (int p = 0; p < nparts; ++p) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, parts[p] + i));
+    _mm256_mask_storeu_epi16(out + i, m, to_bf16(v));
+  }
+}
+
 }  // namespace kt::kernels::avx512
