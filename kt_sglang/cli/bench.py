@@ -146,17 +146,26 @@ def _source_weights(hidden: int, inter: int, experts: int, seed: int):
     return gate, up, down
 
 
-def _interleaved_medians(forwards: list, args: tuple, calls: int, probe=None, rounds: int = 1):
-    """Median time of `calls` calls cycling over `forwards` (one per copy of the weights), and the
-    median of `probe()` run once before each of `rounds` equal slices of those calls (or None)."""
+def _interleaved_medians(forwards: list, inputs: list, calls: int, probe=None, rounds: int = 1, warmup=False):
+    """Median time of `calls` calls cycling over `forwards` (one per copy of the weights) and over
+    `inputs` (argument tuples), and the median of `probe()` run once before each of `rounds` equal
+    slices of those calls (or None).
+
+    After a probe the host settles for 50 ms (torch's OpenMP workers spin for a while after a
+    call) and, with `warmup`, one untimed call wakes the engine's sleeping workers and refills its
+    caches: short calls right after a probe otherwise measured up to 2x slow."""
     times, probes = [], []
     per_round = -(-calls // rounds)
-    for i in range(per_round * rounds):
-        if probe is not None and i % per_round == 0:
+    for r in range(rounds):
+        if probe is not None:
             probes.append(probe())
-        t = time.perf_counter()
-        forwards[i % len(forwards)](*args)
-        times.append(time.perf_counter() - t)
+            time.sleep(0.05)
+            if warmup:
+                forwards[-1](*inputs[-1])
+        for i in range(r * per_round, (r + 1) * per_round):
+            t = time.perf_counter()
+            forwards[i % len(forwards)](*inputs[i % len(inputs)])
+            times.append(time.perf_counter() - t)
     return statistics.median(times), (statistics.median(probes) if probes else None)
 
 
@@ -180,15 +189,19 @@ def _measure_points(
     """
     H, I, E, k = LAYERS[layer]
     for T in cfg.decode_tokens + cfg.prefill_tokens:
-        x, ids, wts = _routed_input(T, H, E, k, gen)
         decode = T in cfg.decode_tokens
-        calls = max(cfg.repeats, len(forwards)) if T <= 16 else cfg.repeats
+        # Decode cycles 16 routings: with one copy of the weights and one routing, the same few
+        # experts would be re-read from the L3 every call.
+        inputs = [_routed_input(T, H, E, k, gen) for _ in range(16 if decode else 1)]
+        # decode: every copy of the weights at least twice per round of the bandwidth probe
+        calls = cfg.repeats * max(2, 2 * len(forwards)) if decode else cfg.repeats
         if decode:
             probe = functools.partial(read_bandwidth_gbs, threads, gib=0.5, repeats=2)
         else:
-            probe = None if baseline is None else functools.partial(_timed, baseline, x, ids, wts)
-        t, probed = _interleaved_medians(forwards, (x, ids, wts), calls, probe, rounds=cfg.repeats)
-        touched = ids.unique().numel() * bytes_per_expert  # distinct experts' weights read
+            probe = None if baseline is None else functools.partial(_timed, baseline, *inputs[0])
+        t, probed = _interleaved_medians(forwards, inputs, calls, probe, cfg.repeats, warmup=decode)
+        # distinct experts' weights a call reads, averaged over the routings
+        touched = statistics.mean(ids.unique().numel() for _, ids, _ in inputs) * bytes_per_expert
         point = {
             "ms": t * 1e3,
             "tokens_per_s": T / t,

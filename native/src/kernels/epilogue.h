@@ -3,7 +3,8 @@
 // With activations a = sa * qa (per row and group, scaled_sum = sa * sum(qa)) and packed weights u
 // (INT8: u = q + 128, w = ws * q; INT4: u = q, w = ws * q + wm), one group contributes
 //     sa * ws * D + scaled_sum * wm,   D = sum(qa * u),   wm = -128 * ws for INT8,
-// so a single u8 x s8 dot product (AMX tdpbsud, AVX-512 vpdpbusd) serves both methods.
+// so a single u8 x s8 dot product (AMX tdpbsud, AVX-512 vpdpbusd) serves both methods. (AMX INT8
+// stages q itself and runs tdpbssd, which drops the INT8 offset term: amx/qgemm-inl.h.)
 #pragma once
 
 #include <cstdint>
