@@ -1,6 +1,6 @@
 """Turns benchmark JSON files into the table and plot of docs/benchmarks.md.
 
-    python bench/report.py bench/results/qwen3.json bench/results/deepseek.json
+    python bench/report.py bench/results/moe-layer.json
 
 Needs matplotlib (`pip install 'kt-sglang[dev]'`).
 """
