@@ -78,7 +78,7 @@ void gemm_bf16(int m, int64_t K, const Bf16Rows& a, const uint8_t* panels, int n
   const int64_t kc = chunk_k(blocks, K);
   thread_local AlignedVector<uint8_t> stage;  // row blocks that are not tiled yet
   thread_local std::vector<const uint8_t*> base;
-  thread_local AlignedVector<float> acc;  // [pairs][32 rows][32] per row block that c cannot hold
+  thread_local AlignedVector<float> acc;  // [blocks][pairs][32 rows][32]: sums c cannot hold
   if (stage.size() < static_cast<size_t>(blocks * kRowBlock * K * 2))
     stage.resize(blocks * kRowBlock * K * 2);
   if (acc.size() < static_cast<size_t>(blocks * pairs * 32 * 32)) acc.resize(blocks * pairs * 32 * 32);
