@@ -133,7 +133,7 @@ def test_forward_errors(layer):
         layer.forward(x, ids, weights[:2])
     bad = ids.clone()
     bad[1, 0] = E
-    with pytest.raises(ValueError, match=r"expert id 8, outside \[-1, 8\)"):
+    with pytest.raises(ValueError, match=r"topk_ids holds expert id 8 at token 1, slot 0, outside \[-1, 8\)"):
         layer.forward(x, bad, weights)
     bad[1, 0] = -2
     with pytest.raises(ValueError, match=r"expert id -2"):
@@ -147,16 +147,48 @@ def test_forward_errors(layer):
 
 
 def test_engine_checks_ids_itself(layer):
-    """Ids that bypass Python (e.g. read from a CUDA graph's buffers) are checked before use."""
+    """Ids that bypass Python are checked before use: at submit when the batch size is known, when
+    the task runs when it is read then (from a CUDA graph's buffers)."""
     x = make_hidden(4, H)
     ids = torch.tensor([[0, 1], [2, 3], [4, 100], [5, 6]], dtype=torch.int64)
     weights = torch.rand(4, K)
     out = torch.zeros(4, H, dtype=torch.bfloat16)
+    message = r"expert id 100 at token 2, slot 1, outside \[-1, 8\)"
+    with pytest.raises(ValueError, match=message):
+        layer._layer.submit_forward(
+            4, 0, x.data_ptr(), ids.data_ptr(), True, weights.data_ptr(), 0, out.data_ptr(), False
+        )
+    tokens = torch.tensor([4], dtype=torch.int32)
     task = layer._layer.submit_forward(
-        4, 0, x.data_ptr(), ids.data_ptr(), True, weights.data_ptr(), 0, out.data_ptr(), False
+        0, tokens.data_ptr(), x.data_ptr(), ids.data_ptr(), True, weights.data_ptr(), 0, out.data_ptr(), False
     )
-    with pytest.raises(ValueError, match=r"expert id 100 at token 2, slot 1 is outside \[-1, 8\)"):
+    with pytest.raises(ValueError, match=message):
         layer._runner.wait(task)
     # The runner goes on: the next forward works.
     ok_ids, ok_w = make_routing(4, E, K)
     assert layer.forward(x, ok_ids, ok_w).shape == (4, H)
+
+
+def test_engine_names_the_token_of_a_later_chunk():
+    """A prefill computed in chunks names the bad id's token in the whole batch, not in its chunk."""
+    layer = new_layer(chunked_prefill_size=2)
+    gate, up, down = make_weights(E, I, H)
+    layer.load_weights_from_tensors(gate.bfloat16(), up.bfloat16(), down.bfloat16())
+    x = make_hidden(4, H)
+    ids = torch.tensor([[0, 1], [2, 3], [4, 5], [-7, 6]], dtype=torch.int32)
+    out = torch.zeros(4, H, dtype=torch.bfloat16)
+    tokens = torch.tensor([4], dtype=torch.int32)
+    weights = torch.rand(4, K)
+    task = layer._layer.submit_forward(
+        0,
+        tokens.data_ptr(),
+        x.data_ptr(),
+        ids.data_ptr(),
+        False,
+        weights.data_ptr(),
+        0,
+        out.data_ptr(),
+        False,
+    )
+    with pytest.raises(ValueError, match=r"expert id -7 at token 3, slot 0, outside \[-1, 8\)"):
+        layer._runner.wait(task)

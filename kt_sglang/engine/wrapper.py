@@ -13,6 +13,11 @@ from kt_sglang.engine.native import NATIVE_DTYPES, _native
 from kt_sglang.engine.pools import SharedRunner, plan_pools, selected_isa
 
 
+def _contiguous(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # Tested first: on the decode path every torch call costs microseconds on cold caches.
+    return t if t.dtype == dtype and t.is_contiguous() else t.to(dtype).contiguous()
+
+
 def _pin(t: torch.Tensor) -> torch.Tensor:
     return t.pin_memory() if torch.cuda.is_available() else t
 
@@ -299,8 +304,39 @@ class KTMoEWrapper:
         cuda_stream=None,
     ) -> torch.Tensor:
         """Sum over each token's CPU experts of weight * expert(hidden); ``[T, H]`` bf16."""
+        inputs = (hidden_states, topk_ids, topk_weights)
+        if cuda_stream is None and all(
+            isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in inputs
+        ):
+            return self._forward_host(hidden_states, topk_ids, topk_weights)
         self.submit_forward(hidden_states, topk_ids, topk_weights, cuda_stream)
         return self.sync_forward(hidden_states, cuda_stream)
+
+    def _forward_host(
+        self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """A forward on host tensors: the engine reads the inputs in place and writes a new output
+        (no staging copies: at T=1 the copies and the clone cost more than a tenth of the layer)."""
+        T = self._check_inputs(hidden_states, topk_ids, topk_weights, ids_checked_by_engine=True)
+        x = _contiguous(hidden_states, torch.bfloat16)
+        ids = _contiguous(topk_ids, topk_ids.dtype)
+        weights = _contiguous(topk_weights, torch.float32)
+        out = torch.empty(T, self.hidden_size, dtype=torch.bfloat16)
+        if T == 0:  # empty tensors have no storage to hand over
+            return out
+        task = self._layer.submit_forward(
+            T,
+            0,
+            x.data_ptr(),
+            ids.data_ptr(),
+            ids.dtype == torch.int64,
+            weights.data_ptr(),
+            self._mask_ptr(),
+            out.data_ptr(),
+            False,
+        )
+        self._runner.wait(task)
+        return out
 
     def submit_forward(
         self,
@@ -393,7 +429,6 @@ class KTMoEWrapper:
 
     def _stream_forward(self, buf: _Buffers):
         if buf.stream_forward is None:
-            mask_ptr = self.gpu_experts_mask.data_ptr() if self.gpu_experts_mask is not None else 0
             buf.stream_forward = _native.StreamForward(
                 self._layer,
                 self._runner,
@@ -403,12 +438,17 @@ class KTMoEWrapper:
                 buf.ids.data_ptr(),
                 True,
                 buf.weights.data_ptr(),
-                mask_ptr,
+                self._mask_ptr(),
                 buf.out.data_ptr(),
             )
         return buf.stream_forward
 
-    def _check_inputs(self, hidden_states, topk_ids, topk_weights) -> int:
+    def _mask_ptr(self) -> int:
+        return self.gpu_experts_mask.data_ptr() if self.gpu_experts_mask is not None else 0
+
+    def _check_inputs(self, hidden_states, topk_ids, topk_weights, *, ids_checked_by_engine=False) -> int:
+        """Checks the inputs' types and shapes and returns T. Host ids are range-checked here unless
+        the caller hands them to an engine call that checks them before it enqueues."""
         E, k, H = self.num_experts, self.num_experts_per_tok, self.hidden_size
         for name, t in (
             ("hidden_states", hidden_states),
@@ -430,11 +470,9 @@ class KTMoEWrapper:
             raise ValueError(f"topk_weights has shape {tuple(topk_weights.shape)}; expected [{T}, {k}]")
         if not topk_weights.dtype.is_floating_point:
             raise ValueError(f"topk_weights has dtype {topk_weights.dtype}; expected float32")
-        if topk_ids.device.type == "cpu" and T > 0:
-            lo, hi = (int(v) for v in torch.aminmax(topk_ids))
-            if lo < -1 or hi >= E:
-                bad = lo if lo < -1 else hi
-                raise ValueError(f"topk_ids holds expert id {bad}, outside [-1, {E}) (-1 means skip)")
+        if topk_ids.device.type == "cpu" and not ids_checked_by_engine:
+            ids = topk_ids.contiguous()
+            _native.check_expert_ids(ids.data_ptr(), ids.dtype == torch.int64, T, k, E)
         return T
 
     def _check_mask(self, mask) -> torch.Tensor | None:

@@ -205,6 +205,12 @@ PYBIND11_MODULE(_native, m) {
       .def_property_readonly("packed_bytes", &MoeLayer::packed_bytes)
       .def_property_readonly("pool_slices", &MoeLayer::pool_slices);
 
+  m.def(
+      "check_expert_ids",
+      [](uintptr_t ids, bool ids_int64, int64_t tokens, int top_k, int num_experts) {
+        check_expert_ids(ptr<const void>(ids), ids_int64, tokens, top_k, num_experts);
+      },
+      "Raises ValueError naming the first id of a contiguous [tokens, top_k] tensor outside [-1, E).");
   m.def("cuda_host_launch_available", &cuda_host_launch_available);
   m.def("cuda_host_launch_status", &cuda_host_launch_status);
   py::class_<StreamForward>(m, "StreamForward")

@@ -231,11 +231,30 @@ void MoeLayer::load_canonical(const std::vector<CanonicalMatrix>& gate,
   loaded_ = true;
 }
 
+void check_expert_ids(const void* ids, bool ids_int64, int64_t tokens, int top_k, int num_experts,
+                      int64_t first_token) {
+  auto first_bad = [&](const auto* v) -> int64_t {
+    for (int64_t i = 0; i < tokens * top_k; ++i)
+      if (v[i] < -1 || v[i] >= num_experts) return i;
+    return -1;
+  };
+  const int64_t i =
+      ids_int64 ? first_bad(static_cast<const int64_t*>(ids)) : first_bad(static_cast<const int32_t*>(ids));
+  if (i < 0) return;
+  const int64_t e = ids_int64 ? static_cast<const int64_t*>(ids)[i] : static_cast<const int32_t*>(ids)[i];
+  throw std::invalid_argument("topk_ids holds expert id " + std::to_string(e) + " at token " +
+                              std::to_string(first_token + i / top_k) + ", slot " +
+                              std::to_string(i % top_k) + ", outside [-1, " + std::to_string(num_experts) +
+                              ") (-1 means skip)");
+}
+
 uint64_t MoeLayer::submit_forward(const ForwardArgs& args) {
   if (!loaded_) throw std::runtime_error("forward before the weights were loaded");
   if (!args.hidden || !args.expert_ids || !args.weights || !args.out)
     throw std::invalid_argument("forward: null hidden_states, expert ids, weights or output");
   if (!args.tokens_ptr && args.tokens < 0) throw std::invalid_argument("forward: negative token count");
+  if (!args.tokens_ptr)
+    check_expert_ids(args.expert_ids, args.ids_int64, args.tokens, config_.top_k, config_.num_experts);
   ForwardArgs copy = args;
   return runner_->submit([this, copy](const WorkerContext& ctx) { forward_task(copy, ctx); });
 }
@@ -311,14 +330,15 @@ void MoeLayer::forward_task(const ForwardArgs& args, const WorkerContext& ctx) {
                                 : static_cast<const int32_t*>(args.expert_ids)[i];
         };
         auto computed_here = [&](int64_t e) { return e >= 0 && !(args.skip_mask && args.skip_mask[e]); };
+        if (args.tokens_ptr) {  // read at run time: submit could not check them
+          const size_t bytes = args.ids_int64 ? sizeof(int64_t) : sizeof(int32_t);
+          check_expert_ids(static_cast<const uint8_t*>(args.expert_ids) + c0 * K * bytes, args.ids_int64, Tc,
+                           K, E, c0);
+        }
         ws.counts.assign(E, 0);
         for (int64_t t = 0; t < Tc; ++t)
           for (int j = 0; j < K; ++j) {
             const int64_t e = id_at(t, j);
-            if (e < -1 || e >= E)
-              throw std::invalid_argument("expert id " + std::to_string(e) + " at token " +
-                                          std::to_string(c0 + t) + ", slot " + std::to_string(j) +
-                                          " is outside [-1, " + std::to_string(E) + ")");
             if (computed_here(e)) ++ws.counts[e];
           }
         ws.offsets.assign(E + 1, 0);

@@ -38,6 +38,11 @@ struct ForwardArgs {
   bool incremental = false;         // add to out instead of writing it
 };
 
+// Throws std::invalid_argument naming the first id of `ids` [tokens, top_k] outside
+// [-1, num_experts); `first_token` is the index of row 0 in the caller's batch (for the message).
+void check_expert_ids(const void* ids, bool ids_int64, int64_t tokens, int top_k, int num_experts,
+                      int64_t first_token = 0);
+
 class MoeLayer {
  public:
   MoeLayer(const MoeConfig& config, std::shared_ptr<Runner> runner, std::shared_ptr<MoeWorkspace> workspace,
@@ -59,7 +64,8 @@ class MoeLayer {
   void load_canonical(const std::vector<CanonicalMatrix>& gate, const std::vector<CanonicalMatrix>& up,
                       const std::vector<CanonicalMatrix>& down);
 
-  // Validates, then enqueues the forward on the runner and returns at once.
+  // Validates (the expert ids too when the batch size is known now), then enqueues the forward on
+  // the runner and returns at once.
   uint64_t submit_forward(const ForwardArgs& args);
 
   // Bytes of packed weights (all pools).
