@@ -105,3 +105,49 @@ def test_bench_quick_writes_json(tmp_path):
     row = [r for r in data["rows"] if r["method"] == "AMXINT4"][0]
     assert row["rel_error"] < 0.16
     assert all(p["ms"] > 0 for p in row["decode"].values())
+
+
+def test_bench_runs_kt_kernel_side_by_side(tmp_path):
+    """`--kt-kernel-python` runs kt-kernel 0.7.2's layer in its own process, interleaved with ours."""
+    import json
+
+    python = os.environ.get("KT_SGLANG_KT_KERNEL_PYTHON")
+    if not python:
+        pytest.fail(
+            "needs KT_SGLANG_KT_KERNEL_PYTHON, a Python that imports kt-kernel 0.7.2: .ci/run sets it"
+        )
+    if not _native.cpu_features()["avx512bw"]:
+        pytest.skip("kt-kernel's AMXINT8 needs a CPU with AVX-512 (this one has none)")
+    out = tmp_path / "bench.json"
+    r = kt_sglang(
+        "bench",
+        "--quick",
+        "--methods",
+        "AMXINT8",
+        "--no-baseline",
+        "--kt-kernel-python",
+        python,
+        "--out",
+        str(out),
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    data = json.loads(out.read_text())
+    assert data["machine"]["kt_kernel"]["kt_kernel"] == "0.7.2"
+    (row,) = data["rows"]
+    points = list(row["decode"].values()) + list(row["prefill"].values())
+    assert len(points) == 3 and row["kt_kernel_copies"] >= 1
+    for p in points:
+        assert p["kt_kernel_ms"] > 0
+        assert p["vs_kt_kernel"] == pytest.approx(p["kt_kernel_ms"] / p["ms"])
+    assert "x kt-kernel" in r.stdout
+
+
+def test_bench_says_when_kt_kernel_cannot_run():
+    r = kt_sglang("bench", "--quick", "--methods", "AMXINT8", "--kt-kernel-python", sys.executable)
+    assert r.returncode == 1
+    assert (
+        f"kt-kernel worker, version: RuntimeError: kt-kernel is not installed for {sys.executable}"
+        in r.stderr
+    )
+    r = kt_sglang("bench", "--quick", "--kt-kernel-python", "/nonexistent/python")
+    assert r.returncode == 1 and "--kt-kernel-python /nonexistent/python: cannot start it" in r.stderr

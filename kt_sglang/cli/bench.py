@@ -18,6 +18,8 @@ import functools
 import json
 import platform
 import statistics
+import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -45,6 +47,7 @@ class BenchConfig:
     working_set_gib: float = 2.0
     repeats: int = 7
     baseline: bool = True
+    kt_kernel_python: str | None = None  # interpreter of an environment with kt-kernel installed
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -57,6 +60,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, help="timed repeats per point (median reported)")
     p.add_argument("--working-set-gib", type=float, help="cycle weights over at least this many GiB")
     p.add_argument("--no-baseline", action="store_true", help="skip the torch per-expert baseline")
+    p.add_argument(
+        "--kt-kernel-python",
+        metavar="PY",
+        help="Python of an environment with kt-kernel 0.7.2 installed: run its layer side by side, "
+        "interleaved with ours, and report our speed over its",
+    )
     p.add_argument("--out", type=Path, help="write the JSON results here")
 
 
@@ -79,12 +88,17 @@ def run_from_args(args: argparse.Namespace) -> int:
         "prefill_tokens",
         "repeats",
         "working_set_gib",
+        "kt_kernel_python",
     ):
         if getattr(args, name) is not None:
             setattr(cfg, name, getattr(args, name))
     if args.no_baseline:
         cfg.baseline = False
-    results = run_benchmark(cfg)
+    try:
+        results = run_benchmark(cfg)
+    except KtKernelWorkerError as e:
+        print(f"kt-sglang bench: {e}", file=sys.stderr)
+        return 1
     print_table(results)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -146,19 +160,22 @@ def _source_weights(hidden: int, inter: int, experts: int, seed: int):
     return gate, up, down
 
 
-def _interleaved_medians(forwards: list, inputs: list, calls: int, probe=None, rounds: int = 1, warmup=False):
+def _interleaved_medians(
+    forwards: list, inputs: list, calls: int, probes: dict, rounds: int = 1, warmup=False
+):
     """Median time of `calls` calls cycling over `forwards` (one per copy of the weights) and over
-    `inputs` (argument tuples), and the median of `probe()` run once before each of `rounds` equal
-    slices of those calls (or None).
+    `inputs` (argument tuples), and per probe the median of the values it returns (a list) when
+    run once before each of `rounds` equal slices of those calls.
 
-    After a probe the host settles for 50 ms (torch's OpenMP workers spin for a while after a
+    After the probes the host settles for 50 ms (torch's OpenMP workers spin for a while after a
     call) and, with `warmup`, one untimed call wakes the engine's sleeping workers and refills its
     caches: short calls right after a probe otherwise measured up to 2x slow."""
-    times, probes = [], []
+    times, probed = [], {name: [] for name in probes}
     per_round = -(-calls // rounds)
     for r in range(rounds):
-        if probe is not None:
-            probes.append(probe())
+        for name, probe in probes.items():
+            probed[name] += probe(per_round)
+        if probes:
             time.sleep(0.05)
             if warmup:
                 forwards[-1](*inputs[-1])
@@ -166,13 +183,13 @@ def _interleaved_medians(forwards: list, inputs: list, calls: int, probe=None, r
             t = time.perf_counter()
             forwards[i % len(forwards)](*inputs[i % len(inputs)])
             times.append(time.perf_counter() - t)
-    return statistics.median(times), (statistics.median(probes) if probes else None)
+    return statistics.median(times), {name: statistics.median(v) for name, v in probed.items()}
 
 
-def _timed(fn, *args) -> float:
+def _timed_once(fn, args: tuple, _calls: int) -> list[float]:
     t = time.perf_counter()
     fn(*args)
-    return time.perf_counter() - t
+    return [time.perf_counter() - t]
 
 
 def _routed_input(T: int, H: int, E: int, k: int, gen: torch.Generator):
@@ -180,26 +197,32 @@ def _routed_input(T: int, H: int, E: int, k: int, gen: torch.Generator):
 
 
 def _measure_points(
-    row, forwards, bytes_per_expert, layer, threads, cfg: BenchConfig, gen, baseline=None
+    row, forwards, bytes_per_expert, layer, threads, cfg: BenchConfig, gen, baseline=None, kt_kernel=None
 ) -> None:
     """Fills row["decode"] / row["prefill"]: median time per batch size, cycling the weight copies.
 
     Decode points interleave read bandwidth probes with their calls ("read_bandwidth_gbs" of the
-    point); prefill points interleave one call of `baseline` (the torch loop) per repeat.
+    point); prefill points interleave one call of `baseline` (the torch loop) per repeat. With
+    `kt_kernel` (a KtKernelWorker holding this layer and method) each repeat also runs as many of
+    its calls as of ours.
     """
     H, I, E, k = LAYERS[layer]
-    for T in cfg.decode_tokens + cfg.prefill_tokens:
+    for n, T in enumerate(cfg.decode_tokens + cfg.prefill_tokens):
         decode = T in cfg.decode_tokens
         # Decode cycles 16 routings: with one copy of the weights and one routing, the same few
         # experts would be re-read from the L3 every call.
-        inputs = [_routed_input(T, H, E, k, gen) for _ in range(16 if decode else 1)]
+        routings = 16 if decode else 1
+        inputs = [_routed_input(T, H, E, k, gen) for _ in range(routings)]
         # decode: every copy of the weights at least twice per round of the bandwidth probe
         calls = cfg.repeats * max(2, 2 * len(forwards)) if decode else cfg.repeats
+        probes = {}
         if decode:
-            probe = functools.partial(read_bandwidth_gbs, threads, gib=0.5, repeats=2)
-        else:
-            probe = None if baseline is None else functools.partial(_timed, baseline, *inputs[0])
-        t, probed = _interleaved_medians(forwards, inputs, calls, probe, cfg.repeats, warmup=decode)
+            probes["bandwidth"] = lambda _calls: [read_bandwidth_gbs(threads, gib=0.5, repeats=2)]
+        elif baseline is not None:
+            probes["baseline"] = functools.partial(_timed_once, baseline, inputs[0])
+        if kt_kernel is not None:
+            probes["kt_kernel"] = functools.partial(kt_kernel.timed, T, routings=routings, seed=n)
+        t, probed = _interleaved_medians(forwards, inputs, calls, probes, cfg.repeats, warmup=decode)
         # distinct experts' weights a call reads, averaged over the routings
         touched = statistics.mean(ids.unique().numel() for _, ids, _ in inputs) * bytes_per_expert
         point = {
@@ -209,10 +232,68 @@ def _measure_points(
             "tops": 2 * T * k * 3 * H * I / t / 1e12,
         }
         if decode:
-            point.update(read_bandwidth_gbs=probed, bw_fraction=touched / t / 1e9 / probed)
-        elif probed is not None:
-            point.update(baseline_ms=probed * 1e3, vs_baseline=probed / t)
+            bw = probed["bandwidth"]
+            point.update(read_bandwidth_gbs=bw, bw_fraction=touched / t / 1e9 / bw)
+        elif "baseline" in probed:
+            point.update(baseline_ms=probed["baseline"] * 1e3, vs_baseline=probed["baseline"] / t)
+        if "kt_kernel" in probed:
+            point.update(kt_kernel_ms=probed["kt_kernel"] * 1e3, vs_kt_kernel=probed["kt_kernel"] / t)
         (row["decode"] if decode else row["prefill"])[T] = point
+
+
+class KtKernelWorkerError(RuntimeError):
+    """kt-kernel's side of the benchmark cannot run (not installed, failed to load, exited)."""
+
+
+class KtKernelWorker:
+    """kt-kernel's layer in a process of the interpreter `python` (ktkernel_worker.py): same shapes,
+    method and threads as ours, its calls interleaved with ours."""
+
+    def __init__(self, python: str) -> None:
+        script = Path(__file__).with_name("ktkernel_worker.py")
+        try:
+            self._proc = subprocess.Popen(
+                [python, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+            )
+        except OSError as e:
+            raise KtKernelWorkerError(f"--kt-kernel-python {python}: cannot start it ({e})") from e
+        self.python = python
+        self.versions = self._request(op="version")
+
+    def _request(self, **request) -> dict:
+        self._proc.stdin.write(json.dumps(request) + "\n")
+        self._proc.stdin.flush()
+        line = self._proc.stdout.readline()
+        if not line:
+            raise KtKernelWorkerError(
+                f"the kt-kernel worker ({self.python}) exited with {self._proc.wait()}; its stderr is above"
+            )
+        reply = json.loads(line)
+        if "error" in reply:
+            raise KtKernelWorkerError(f"kt-kernel worker, {request['op']}: {reply['error']}")
+        return reply
+
+    def load(self, layer: str, method: str, threads: int, working_set_gib: float) -> dict:
+        H, I, E, k = LAYERS[layer]
+        return self._request(
+            op="load",
+            hidden=H,
+            intermediate=I,
+            experts=E,
+            top_k=k,
+            method=method,
+            threads=threads,
+            working_set_gib=working_set_gib,
+        )
+
+    def timed(self, tokens: int, calls: int, routings: int, seed: int) -> list[float]:
+        return self._request(op="time", tokens=tokens, calls=calls, routings=routings, seed=seed)["seconds"]
+
+    def close(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.stdin.write(json.dumps({"op": "exit"}) + "\n")
+            self._proc.stdin.close()
+            self._proc.wait()
 
 
 def _torch_moe(x, ids, weights, *, gate, up, down):
@@ -226,11 +307,7 @@ def _torch_moe(x, ids, weights, *, gate, up, down):
 
 
 def run_benchmark(cfg: BenchConfig) -> dict:
-    from tqdm import tqdm
-
-    from kt_sglang.engine import KTMoEWrapper, SharedRunner
     from kt_sglang.engine.native import _native
-    from kt_sglang.engine.reference import moe_reference, relative_error
 
     results: dict = {
         "machine": {
@@ -244,6 +321,23 @@ def run_benchmark(cfg: BenchConfig) -> dict:
         "matmul_tflops": {},
         "rows": [],
     }
+    kt_kernel = KtKernelWorker(cfg.kt_kernel_python) if cfg.kt_kernel_python else None
+    try:
+        if kt_kernel is not None:
+            results["machine"]["kt_kernel"] = kt_kernel.versions
+        _run_layers(cfg, results, kt_kernel)
+    finally:
+        if kt_kernel is not None:
+            kt_kernel.close()
+    return results
+
+
+def _run_layers(cfg: BenchConfig, results: dict, kt_kernel: KtKernelWorker | None) -> None:
+    from tqdm import tqdm
+
+    from kt_sglang.engine import KTMoEWrapper, SharedRunner
+    from kt_sglang.engine.reference import moe_reference, relative_error
+
     gen = torch.Generator().manual_seed(1)
     for threads in cfg.threads:
         results["bandwidth_gbs"][threads] = read_bandwidth_gbs(threads)
@@ -260,6 +354,8 @@ def run_benchmark(cfg: BenchConfig) -> dict:
                 row, baseline = _bench_baseline(layer, threads, gate, up, down, cfg, gen)
                 results["rows"].append(row)
             for method in cfg.methods:
+                if kt_kernel is not None:  # before ours: both layers' loading peaks never overlap
+                    kt_loaded = kt_kernel.load(layer, method, threads, cfg.working_set_gib)
                 SharedRunner.reset()
                 first = KTMoEWrapper(0, E, k, H, I, None, threads, 1, method=method)
                 first.load_weights_from_tensors(gate, up, down)
@@ -288,12 +384,15 @@ def run_benchmark(cfg: BenchConfig) -> dict:
                 }
                 layers[0].forward(*_routed_input(16, H, E, k, gen))  # warm: scratch sized once
                 forwards = [w.forward for w in layers]
-                _measure_points(row, forwards, first.packed_bytes / E, layer, threads, cfg, gen, baseline)
+                if kt_kernel is not None:
+                    row["kt_kernel_copies"] = kt_loaded["copies"]
+                _measure_points(
+                    row, forwards, first.packed_bytes / E, layer, threads, cfg, gen, baseline, kt_kernel
+                )
                 results["rows"].append(row)
                 results["matmul_tflops"][threads].append(matmul_tflops(threads))
                 del layers, first
         del gate, up, down
-    return results
 
 
 def _bench_baseline(layer, threads, gate, up, down, cfg: BenchConfig, gen):
@@ -336,15 +435,21 @@ def print_table(results: dict) -> None:
         )
     header = (
         "| layer | method | threads | decode ms (T: ms, % of read BW) "
-        "| prefill tok/s (T: tok/s, TOPS, x the torch loop interleaved) | rel. error |"
+        "| prefill tok/s (T: tok/s, TOPS, x the torch loop and x kt-kernel, interleaved) | rel. error |"
     )
     print(header)
     print("|---|---|---|---|---|---|")
     for r in results["rows"]:
-        dec = ", ".join(f"{T}: {p['ms']:.2f} ({100 * p['bw_fraction']:.0f}%)" for T, p in r["decode"].items())
+        dec = ", ".join(
+            f"{T}: {p['ms']:.2f} ({100 * p['bw_fraction']:.0f}%"
+            + (f", {p['vs_kt_kernel']:.2f}x kt-kernel)" if "vs_kt_kernel" in p else ")")
+            for T, p in r["decode"].items()
+        )
         pre = ", ".join(
             f"{T}: {p['tokens_per_s']:.0f} ({p['tops']:.2f}"
-            + (f", {p['vs_baseline']:.2f}x loop)" if "vs_baseline" in p else ")")
+            + (f", {p['vs_baseline']:.2f}x loop" if "vs_baseline" in p else "")
+            + (f", {p['vs_kt_kernel']:.2f}x kt-kernel" if "vs_kt_kernel" in p else "")
+            + ")"
             for T, p in r["prefill"].items()
         )
         err = f"{r['rel_error']:.4f}" if "rel_error" in r else "-"
