@@ -273,10 +273,11 @@ class KtKernelWorker:
             raise KtKernelWorkerError(f"kt-kernel worker, {request['op']}: {reply['error']}")
         return reply
 
-    def load(self, layer: str, method: str, threads: int, working_set_gib: float) -> dict:
+    def load(self, layer: str, method: str, threads: int, working_set_gib: float, max_tokens: int) -> dict:
         H, I, E, k = LAYERS[layer]
         return self._request(
             op="load",
+            max_tokens=max_tokens,
             hidden=H,
             intermediate=I,
             experts=E,
@@ -289,7 +290,10 @@ class KtKernelWorker:
     def timed(self, tokens: int, calls: int, routings: int, seed: int) -> list[float]:
         return self._request(op="time", tokens=tokens, calls=calls, routings=routings, seed=seed)["seconds"]
 
-    def close(self) -> None:
+    def __enter__(self) -> KtKernelWorker:
+        return self
+
+    def __exit__(self, *exc) -> None:
         if self._proc.poll() is None:
             self._proc.stdin.write(json.dumps({"op": "exit"}) + "\n")
             self._proc.stdin.close()
@@ -321,22 +325,15 @@ def run_benchmark(cfg: BenchConfig) -> dict:
         "matmul_tflops": {},
         "rows": [],
     }
-    kt_kernel = KtKernelWorker(cfg.kt_kernel_python) if cfg.kt_kernel_python else None
-    try:
-        if kt_kernel is not None:
+    if cfg.kt_kernel_python:
+        with KtKernelWorker(cfg.kt_kernel_python) as kt_kernel:
             results["machine"]["kt_kernel"] = kt_kernel.versions
-        _run_layers(cfg, results, kt_kernel)
-    finally:
-        if kt_kernel is not None:
-            kt_kernel.close()
+    _run_layers(cfg, results)
     return results
 
 
-def _run_layers(cfg: BenchConfig, results: dict, kt_kernel: KtKernelWorker | None) -> None:
-    from tqdm import tqdm
-
-    from kt_sglang.engine import KTMoEWrapper, SharedRunner
-    from kt_sglang.engine.reference import moe_reference, relative_error
+def _run_layers(cfg: BenchConfig, results: dict) -> None:
+    from kt_sglang.engine.reference import moe_reference
 
     gen = torch.Generator().manual_seed(1)
     for threads in cfg.threads:
@@ -347,52 +344,68 @@ def _run_layers(cfg: BenchConfig, results: dict, kt_kernel: KtKernelWorker | Non
         gate, up, down = _source_weights(H, I, E, seed=0)
         x_acc = torch.randn(64, H, generator=gen).bfloat16()
         ids_acc, w_acc = _routing(64, E, k, gen)
-        ref = moe_reference(x_acc, gate, up, down, ids_acc, w_acc)
+        accuracy = (x_acc, ids_acc, w_acc, moe_reference(x_acc, gate, up, down, ids_acc, w_acc))
         for threads in cfg.threads:
             baseline = None
             if cfg.baseline:
                 row, baseline = _bench_baseline(layer, threads, gate, up, down, cfg, gen)
                 results["rows"].append(row)
             for method in cfg.methods:
-                if kt_kernel is not None:  # before ours: both layers' loading peaks never overlap
-                    kt_loaded = kt_kernel.load(layer, method, threads, cfg.working_set_gib)
-                SharedRunner.reset()
-                first = KTMoEWrapper(0, E, k, H, I, None, threads, 1, method=method)
-                first.load_weights_from_tensors(gate, up, down)
-                copies = max(1, -(-int(cfg.working_set_gib * 2**30) // first.packed_bytes))
-                layers = [first]
-                for c in tqdm(
-                    range(1, copies),
-                    desc=f"{layer} {method}: layer copies",
-                    leave=False,
-                    disable=copies <= 1,
-                ):
-                    w = KTMoEWrapper(c, E, k, H, I, None, threads, 1, method=method)
-                    w.load_weights_from_tensors(gate, up, down)
-                    layers.append(w)
-                row = {
-                    "layer": layer,
-                    "method": method,
-                    "threads": threads,
-                    "isa": first.isa,
-                    "group_size": first.group_size,
-                    "copies": copies,
-                    "working_set_gib": copies * first.packed_bytes / 2**30,
-                    "rel_error": relative_error(first.forward(x_acc, ids_acc, w_acc), ref),
-                    "decode": {},
-                    "prefill": {},
-                }
-                layers[0].forward(*_routed_input(16, H, E, k, gen))  # warm: scratch sized once
-                forwards = [w.forward for w in layers]
-                if kt_kernel is not None:
-                    row["kt_kernel_copies"] = kt_loaded["copies"]
-                _measure_points(
-                    row, forwards, first.packed_bytes / E, layer, threads, cfg, gen, baseline, kt_kernel
-                )
+                if cfg.kt_kernel_python:
+                    # A process per method (kt-kernel does not give a layer's memory back), loaded
+                    # before ours so that the two loads' peaks never overlap.
+                    with KtKernelWorker(cfg.kt_kernel_python) as kt_kernel:
+                        max_tokens = max(cfg.decode_tokens + cfg.prefill_tokens)
+                        loaded = kt_kernel.load(layer, method, threads, cfg.working_set_gib, max_tokens)
+                        row = _bench_method(
+                            layer, method, threads, (gate, up, down), accuracy, cfg, gen, baseline, kt_kernel
+                        )
+                        row["kt_kernel_copies"] = loaded["copies"]
+                else:
+                    row = _bench_method(
+                        layer, method, threads, (gate, up, down), accuracy, cfg, gen, baseline
+                    )
                 results["rows"].append(row)
                 results["matmul_tflops"][threads].append(matmul_tflops(threads))
-                del layers, first
         del gate, up, down
+
+
+def _bench_method(
+    layer, method, threads, weights, accuracy, cfg: BenchConfig, gen, baseline, kt_kernel=None
+) -> dict:
+    """Our layer with one method: its copies loaded, error measured, every point timed."""
+    from tqdm import tqdm
+
+    from kt_sglang.engine import KTMoEWrapper, SharedRunner
+    from kt_sglang.engine.reference import relative_error
+
+    H, I, E, k = LAYERS[layer]
+    x_acc, ids_acc, w_acc, ref = accuracy
+    SharedRunner.reset()
+    first = KTMoEWrapper(0, E, k, H, I, None, threads, 1, method=method)
+    first.load_weights_from_tensors(*weights)
+    copies = max(1, -(-int(cfg.working_set_gib * 2**30) // first.packed_bytes))
+    layers = [first]
+    for c in tqdm(range(1, copies), desc=f"{layer} {method}: layer copies", leave=False, disable=copies <= 1):
+        w = KTMoEWrapper(c, E, k, H, I, None, threads, 1, method=method)
+        w.load_weights_from_tensors(*weights)
+        layers.append(w)
+    row = {
+        "layer": layer,
+        "method": method,
+        "threads": threads,
+        "isa": first.isa,
+        "group_size": first.group_size,
+        "copies": copies,
+        "working_set_gib": copies * first.packed_bytes / 2**30,
+        "rel_error": relative_error(first.forward(x_acc, ids_acc, w_acc), ref),
+        "decode": {},
+        "prefill": {},
+    }
+    first.forward(*_routed_input(16, H, E, k, gen))  # warm: scratch sized once
+    forwards = [w.forward for w in layers]
+    _measure_points(row, forwards, first.packed_bytes / E, layer, threads, cfg, gen, baseline, kt_kernel)
+    return row
 
 
 def _bench_baseline(layer, threads, gate, up, down, cfg: BenchConfig, gen):

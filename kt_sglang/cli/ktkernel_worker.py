@@ -8,7 +8,7 @@ forward_task). Weights are random N(0, 1/fan_in) like the benchmark's, quantized
 Protocol: one JSON request per line on stdin, one JSON reply per line on the original stdout
 (kt-kernel's own prints are dropped):
   {"op": "load", "hidden", "intermediate", "experts", "top_k", "method", "threads",
-   "working_set_gib"}                                  -> {"copies", "packed_bytes"}
+   "working_set_gib", "max_tokens"}                    -> {"copies", "packed_bytes"}
   {"op": "time", "tokens", "calls", "routings", "seed"} -> {"seconds": [...]}
   {"op": "version"}                                   -> {"kt_kernel", "torch"}
   {"op": "exit"}
@@ -34,7 +34,7 @@ PACKED_BYTES_PER_WEIGHT = {"BF16": 2.0, "AMXINT8": 1.0, "AMXINT4": 0.5}
 class KtKernelLayers:
     """Copies of one layer on kt-kernel's engine, enough to cover the working set."""
 
-    def __init__(self, hidden, intermediate, experts, top_k, method, threads, working_set_gib):
+    def __init__(self, hidden, intermediate, experts, top_k, method, threads, working_set_gib, max_tokens):
         import kt_kernel  # noqa: F401  (loads the kt_kernel_ext build this CPU runs)
         import kt_kernel_ext
         import kt_kernel_ext.moe as moe
@@ -49,9 +49,13 @@ class KtKernelLayers:
         self.packed_bytes = int(3 * hidden * intermediate * experts * PACKED_BYTES_PER_WEIGHT[method])
         copies = max(1, -(-int(working_set_gib * 2**30) // self.packed_bytes))
         gen = torch.Generator().manual_seed(0)
-        gate = (torch.randn(experts, intermediate, hidden, generator=gen) / hidden**0.5).bfloat16()
-        up = (torch.randn(experts, intermediate, hidden, generator=gen) / hidden**0.5).bfloat16()
-        down = (torch.randn(experts, hidden, intermediate, generator=gen) / intermediate**0.5).bfloat16()
+        gate = torch.empty(experts, intermediate, hidden, dtype=torch.bfloat16)
+        up = torch.empty_like(gate)
+        down = torch.empty(experts, hidden, intermediate, dtype=torch.bfloat16)
+        for e in range(experts):  # one expert at a time: float32 temporaries of a whole layer do not fit
+            gate[e] = torch.randn(intermediate, hidden, generator=gen) / hidden**0.5
+            up[e] = torch.randn(intermediate, hidden, generator=gen) / hidden**0.5
+            down[e] = torch.randn(hidden, intermediate, generator=gen) / intermediate**0.5
         identity = torch.arange(experts, dtype=torch.int64)
         # The quantized methods write their packed files while loading from bf16 ("save" mode).
         scratch = tempfile.mkdtemp(prefix="ktkernel-bench-")
@@ -59,7 +63,8 @@ class KtKernelLayers:
         try:
             for c in range(copies):
                 config = moe.MOEConfig(experts, top_k, hidden, intermediate, self.mask.data_ptr())
-                config.layer_idx, config.pool, config.max_len = c, self.cpu.backend_, 4096
+                # max_len sizes its scratch (GBs for DeepSeek at 4096): no larger than the run needs
+                config.layer_idx, config.pool, config.max_len = c, self.cpu.backend_, max_tokens
                 if method == "BF16":
                     config.gate_projs = [[t.data_ptr() for t in gate]]
                     config.up_projs = [[t.data_ptr() for t in up]]
