@@ -21,8 +21,8 @@ SHAPES = [
     pytest.param(128, 8, 256, 320, 64, 16, id="E128-k8-H256-I320-T64"),
     pytest.param(8, 2, 2560, 1408, 1024, 24, id="E8-k2-H2560-I1408-T1024"),
     pytest.param(64, 6, 384, 1408, 200, 20, id="E64-k6-H384-I1408-T200"),
-    # ~230 rows on one expert: AMX runs gate/up and down in several K-chunks, and H = 129 panels
-    # leaves a lone panel in the last block of output channels.
+    # ~230 rows on one expert: AMX runs gate/up (INT8/INT4 on bf16 inputs from 160 rows) and down in
+    # several K-chunks, and H = 129 panels leaves a lone panel in the last block of output channels.
     pytest.param(2, 1, 2064, 1408, 512, 16, id="E2-k1-H2064-I1408-T512"),
 ]
 
@@ -155,14 +155,19 @@ def test_incremental_adds_to_output(method):
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_prefill_in_chunks_equals_one_pass(method):
-    """chunked_prefill_size bounds the scratch; chunking must not change the result."""
-    E, k, H, I, T = 8, 2, 256, 320, 700
+@pytest.mark.parametrize("T,chunk", [(600, 256), (1600, 800)], ids=["int8-inputs", "a16-from-160-rows"])
+def test_prefill_in_chunks_equals_one_pass(method, T, chunk):
+    """chunked_prefill_size bounds the scratch; chunking must not change the result. Every expert
+    gets a quarter of the tokens of the pass and of each chunk, on the same side of 160 rows in
+    both, where AMX switches INT8/INT4 gate/up to bf16 inputs (a different rounding)."""
+    E, k, H, I = 8, 2, 256, 320
     gate, up, down = make_weights(E, I, H, seed=7)
-    ids, weights = make_routing(T, E, k)
+    t = torch.arange(T)
+    ids = torch.stack([t % E, (t + 1) % E], dim=1)
+    weights = torch.rand(T, k, generator=torch.Generator().manual_seed(7))
     x = make_hidden(T, H)
     whole = run_layer(method, None, gate, up, down, x, ids, weights)
-    chunked = run_layer(method, None, gate, up, down, x, ids, weights, chunked_prefill_size=256)
+    chunked = run_layer(method, None, gate, up, down, x, ids, weights, chunked_prefill_size=chunk)
     assert torch.equal(whole, chunked)
 
 

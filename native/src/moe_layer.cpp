@@ -52,8 +52,10 @@ struct MoeWorkspace {
   // Per token: int8 input + scales (quantized methods).
   std::vector<int8_t> x_q;
   std::vector<float> x_scale, x_sum;
-  // Per row, gathered in the tiled layout: the input (int8 or bf16).
-  AlignedVector<uint8_t> x_rows;
+  // Per row, gathered in the tiled layout: the input (int8 or bf16); for experts whose gate/up runs
+  // the A16 kernel (a16[e]), bf16 in x_rows16 instead, at the same padded rows.
+  AlignedVector<uint8_t> x_rows, x_rows16;
+  std::vector<char> a16;  // [E]
   struct PoolScratch {
     AlignedVector<uint8_t> h_rows;  // per row, tiled: the bf16 intermediate (every method)
     std::vector<float> y;           // fp32 partial output [tokens, hidden padded to 16]
@@ -290,9 +292,10 @@ void MoeLayer::forward_task(const ForwardArgs& args, const WorkerContext& ctx) {
   const int P = static_cast<int>(pools_.size());
   const bool int8 = config_.method == Method::kInt8;
   const GemmQuantFn gemm_q = int8 ? table_.gemm_int8 : table_.gemm_int4;
-  // The down projection reads h in bf16 for every method: quantizing h to int8 was most of INT8's
-  // error (0.017 -> 0.014 at groups of 64).
-  const GemmQuantA16Fn gemm_down_q = int8 ? table_.gemm_int8_a16 : table_.gemm_int4_a16;
+  // A16 (quantized weights x bf16 inputs): the down projection of every quantized method, since
+  // quantizing h to int8 was most of INT8's error (0.017 -> 0.014 at groups of 64), and gate/up of
+  // the experts with many rows (ws.a16), where it runs faster than the int8-input kernel.
+  const GemmQuantA16Fn gemm_a16 = int8 ? table_.gemm_int8_a16 : table_.gemm_int4_a16;
 
   // Records a failure and lets every worker reach the same barriers.
   auto guarded = [&](auto&& body) {
@@ -344,10 +347,15 @@ void MoeLayer::forward_task(const ForwardArgs& args, const WorkerContext& ctx) {
         ws.offsets.assign(E + 1, 0);
         ws.padded_offsets.assign(E + 1, 0);
         ws.active.clear();
+        ws.a16.assign(E, 0);
+        bool any_a16 = false;
         for (int e = 0; e < E; ++e) {
           ws.offsets[e + 1] = ws.offsets[e] + ws.counts[e];
           ws.padded_offsets[e + 1] = ws.padded_offsets[e] + round_up(ws.counts[e], kRowBlock);
           if (ws.counts[e] > 0) ws.active.push_back(e);
+          ws.a16[e] =
+              quantized && table_.gate_up_a16_min_rows > 0 && ws.counts[e] >= table_.gate_up_a16_min_rows;
+          any_a16 = any_a16 || ws.a16[e];
         }
         const int64_t R = ws.offsets[E], Rp = ws.padded_offsets[E];
         grow(ws.row_token, R), grow(ws.row_weight, R);
@@ -362,6 +370,7 @@ void MoeLayer::forward_task(const ForwardArgs& args, const WorkerContext& ctx) {
           }
         if (quantized) grow(ws.x_q, Tc * Hp), grow(ws.x_scale, Tc * Hp / G), grow(ws.x_sum, Tc * Hp / G);
         grow(ws.x_rows, Rp * Hp * elem);
+        if (any_a16) grow(ws.x_rows16, Rp * Hp * 2);
         for (int p = 0; p < P; ++p) {
           auto& ps = ws.pools[p];
           const int64_t slice = pools_[p]->i_end - pools_[p]->i_begin;
@@ -400,13 +409,14 @@ void MoeLayer::forward_task(const ForwardArgs& args, const WorkerContext& ctx) {
       for (int e : ws.active) {
         for (int64_t r = ws.offsets[e] + ctx.tid; r < ws.offsets[e + 1]; r += ctx.num_threads) {
           const int64_t t = ws.row_token[r];
-          uint8_t* dst = tiled_row(ws.x_rows.data(), r + padding_before(e), Hp * elem);
-          if (quantized) {
-            store_tiled(dst, 0, ws.x_q.data() + t * Hp, Hp);
+          if (quantized && !ws.a16[e]) {
+            store_tiled(tiled_row(ws.x_rows.data(), r + padding_before(e), Hp), 0, ws.x_q.data() + t * Hp,
+                        Hp);
           } else {
             std::memcpy(padded.data(), args.hidden + (c0 + t) * H, H * 2);
             std::fill(padded.begin() + H, padded.begin() + Hp, uint16_t{0});
-            store_tiled(dst, 0, padded.data(), Hp * 2);
+            uint8_t* rows = quantized ? ws.x_rows16.data() : ws.x_rows.data();
+            store_tiled(tiled_row(rows, r + padding_before(e), Hp * 2), 0, padded.data(), Hp * 2);
           }
         }
       }
@@ -443,8 +453,11 @@ void MoeLayer::forward_task(const ForwardArgs& args, const WorkerContext& ctx) {
         const uint8_t* w = pw.gate_up + e * pw.gate_up_bytes + gl * block_bytes;
         for (int64_t r0 = ws.offsets[e]; r0 < ws.offsets[e + 1]; r0 += kRowChunk) {
           const int m = static_cast<int>(std::min<int64_t>(kRowChunk, ws.offsets[e + 1] - r0));
-          point_rows(e, r0, m, ws.x_rows.data(), Hp * elem);
-          if (quantized) {
+          if (ws.a16[e]) {
+            point_rows(e, r0, m, ws.x_rows16.data(), Hp * 2);
+            gemm_a16(m, Hp, G, bf16_rows, w, 2 * npan, c_buf.data(), ldc);
+          } else if (quantized) {
+            point_rows(e, r0, m, ws.x_rows.data(), Hp);
             for (int i = 0; i < m; ++i) {
               const int64_t t = ws.row_token[r0 + i];
               ptr_s[i] = ws.x_scale.data() + t * (Hp / G), ptr_m[i] = ws.x_sum.data() + t * (Hp / G);
@@ -454,6 +467,7 @@ void MoeLayer::forward_task(const ForwardArgs& args, const WorkerContext& ctx) {
                               reinterpret_cast<const float* const*>(ptr_m.data())};
             gemm_q(m, Hp, G, a, w, 2 * npan, c_buf.data(), ldc);
           } else {
+            point_rows(e, r0, m, ws.x_rows.data(), Hp * 2);
             table_.gemm_bf16(m, Hp, bf16_rows, w, 2 * npan, c_buf.data(), ldc);
           }
           for (int i = 0; i < m; ++i) {
@@ -489,7 +503,7 @@ void MoeLayer::forward_task(const ForwardArgs& args, const WorkerContext& ctx) {
             const int m = static_cast<int>(std::min<int64_t>(kRowChunk, ws.offsets[e + 1] - r0));
             point_rows(e, r0, m, ps.h_rows.data(), slice * 2);
             if (quantized)
-              gemm_down_q(m, slice, G, bf16_rows, w, npan, c_buf.data(), ldc);
+              gemm_a16(m, slice, G, bf16_rows, w, npan, c_buf.data(), ldc);
             else
               table_.gemm_bf16(m, slice, bf16_rows, w, npan, c_buf.data(), ldc);
             for (int i = 0; i < m; ++i) {

@@ -59,6 +59,9 @@ struct KernelTable {
   SiluMulFn silu_mul;
   AddWeightedFn add_weighted;
   SumToBf16Fn sum_to_bf16;
+  // INT8/INT4 experts with at least this many rows run gate/up through the A16 kernel too (bf16
+  // inputs, no per-group epilogue); 0: never (the int8-input kernel is faster at every size).
+  int gate_up_a16_min_rows;
   // Which family each entry comes from (for doctor and tests).
   Isa isa_bf16, isa_int8, isa_int4, isa_a16, isa_vector;
 };
