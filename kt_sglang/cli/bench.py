@@ -8,7 +8,9 @@ cache. Medians over repeats; JSON out.
 
 A shared host's memory and matrix speeds drift by 2-3x within minutes, so every ratio is taken
 between measurements interleaved in time: each decode point alternates its calls with read
-bandwidth probes, and each prefill point alternates its calls with the torch baseline's.
+bandwidth probes, and each prefill point alternates its calls with the torch baseline's. With
+`--kt-kernel-python`, kt-kernel 0.7.2 runs the same layer in a process of its own environment
+(ktkernel_worker.py), its calls alternating with ours at every point.
 """
 
 from __future__ import annotations
