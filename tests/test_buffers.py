@@ -13,10 +13,8 @@ from kt_sglang.engine.native import _native
 def _staged_forward(layer: KTMoEWrapper, T: int) -> None:
     """submit/sync copy through the batch-size buffers (forward on host tensors reads in place); both
     give the same output."""
-    hidden, (ids, weights) = (
-        make_hidden(T, layer.hidden_size),
-        make_routing(T, layer.num_experts, layer.num_experts_per_tok),
-    )
+    hidden = make_hidden(T, layer.hidden_size)
+    ids, weights = make_routing(T, layer.num_experts, layer.num_experts_per_tok)
     layer.submit_forward(hidden, ids, weights)
     assert torch.equal(layer.sync_forward(hidden), layer.forward(hidden, ids, weights))
 
