@@ -12,6 +12,8 @@ clash) and its own build directory:
 
     python bench/ab_builds.py --method AMXINT8 --tokens 2048 /tmp/ab/old /tmp/ab/new
 
+A build may name its quantization group as DIR@GROUP (default 64), to compare group sizes.
+
 Prints each build's median forward time and its speed relative to the first build, after checking
 that the builds agree on the output.
 """
@@ -41,7 +43,9 @@ def load_native(install_dir: str, index: int):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("builds", nargs="+", help="install directories (pip install --target)")
+    p.add_argument(
+        "builds", nargs="+", help="install directories (pip install --target), each DIR or DIR@GROUP"
+    )
     p.add_argument("--layer", choices=sorted(LAYERS), default="qwen3-30b-a3b")
     p.add_argument("--method", choices=["BF16", "AMXINT8", "AMXINT4"], default="BF16")
     p.add_argument("--tokens", type=int, default=2048)
@@ -61,11 +65,12 @@ def main() -> None:
     weights = torch.rand(T, k, generator=gen)
 
     builds = []
-    for i, path in enumerate(args.builds):
+    for i, spec in enumerate(args.builds):
+        path, _, group_text = spec.partition("@")
         native = load_native(path, i)
         runner = native.Runner([(0, list(range(args.threads)))])
         workspace = native.Workspace()
-        group = 0 if args.method == "BF16" else 64
+        group = 0 if args.method == "BF16" else int(group_text or 64)
         layers = []
         for _ in range(args.copies):
             layer = native.MoeLayer(
@@ -82,7 +87,7 @@ def main() -> None:
             )
             layer.load_dense(gate.data_ptr(), up.data_ptr(), down.data_ptr(), native.DType.bfloat16, E, [])
             layers.append(layer)
-        builds.append({"path": path, "runner": runner, "layers": layers, "out": torch.empty(T, H).bfloat16()})
+        builds.append({"path": spec, "runner": runner, "layers": layers, "out": torch.empty(T, H).bfloat16()})
 
     def forward(build: dict, copy: int) -> None:
         layer = build["layers"][copy % len(build["layers"])]
