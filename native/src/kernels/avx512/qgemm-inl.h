@@ -19,6 +19,7 @@ inline void gemm_quant_rows(int64_t K, int group, const QuantRows& a, int i0, co
   // chain per row would bound a single-row (decode) pass to ~13 GB/s per core.
   constexpr int kChains = kRows == 1 ? 4 : 2;
   const int64_t gbytes = group_bytes(M, group), wbytes = group_weight_bytes(M, group);
+  const int64_t ahead_bytes = prefetch_distance(gbytes);
   const __m512i nibble = _mm512_set1_epi8(0x0f);
   __m512 acc[kRows][kPanels];
   for (int i = 0; i < kRows; ++i)
@@ -28,7 +29,7 @@ inline void gemm_quant_rows(int64_t K, int group, const QuantRows& a, int i0, co
     const uint8_t* w[kPanels];
     for (int p = 0; p < kPanels; ++p) {
       w[p] = panel0 + p * panel_stride + gi * gbytes;
-      const char* ahead = reinterpret_cast<const char*>(w[p]) + kPrefetchGroups * gbytes;
+      const char* ahead = reinterpret_cast<const char*>(w[p]) + ahead_bytes;
       for (int64_t off = 0; off < gbytes; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
     }
     __m512i d[kRows][kPanels][kChains];

@@ -65,6 +65,7 @@ inline void gemm_a16_rows(int64_t K, int group, const Int16Rows& a, int i0, cons
   constexpr int kChains = kRows == 1 ? 4 : 2;  // vpdpwssd latency
   const int64_t groups = K / group;
   const int64_t gbytes = group_bytes(M, group), wbytes = group_weight_bytes(M, group);
+  const int64_t ahead_bytes = prefetch_distance(gbytes);
   const __m512i low_byte = _mm512_set1_epi16(0x00ff), nibble = _mm512_set1_epi16(0x000f);
   __m512 acc[kRows];
   __m512i d[kRows][kChains];
@@ -77,7 +78,7 @@ inline void gemm_a16_rows(int64_t K, int group, const Int16Rows& a, int i0, cons
   };
   for (int64_t gi = 0; gi < groups; ++gi) {
     const uint8_t* w = panel + gi * gbytes;
-    const char* ahead = reinterpret_cast<const char*>(w) + kPrefetchGroups * gbytes;
+    const char* ahead = reinterpret_cast<const char*>(w) + ahead_bytes;
     for (int64_t off = 0; off < gbytes; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
     for (int i = 0; i < kRows; ++i)
       for (int u = 0; u < kChains; ++u) d[i][u] = _mm512_setzero_si512();
