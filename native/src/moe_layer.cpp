@@ -268,15 +268,14 @@ uint8_t* tiled_row(uint8_t* base, int64_t r, int64_t row_bytes) {
   return base + (r / kRowBlock) * kRowBlock * row_bytes + (r % kRowBlock) * kChunkBytes;
 }
 
-// Writes `n` bytes at byte offset `offset` of a tiled row, chunk by chunk.
+// Writes `n` bytes at byte offset `offset` of a tiled row; both are whole 64-byte chunks (rows are
+// padded to 64 K-values, h blocks are groups). Copies of a constant 64 bytes: with a length known
+// only at run time, GCC inlined an 8-byte loop that took 7% of a BF16 prefill.
 void store_tiled(uint8_t* row, int64_t offset, const void* src, int64_t n) {
   const auto* s = static_cast<const uint8_t*>(src);
-  while (n > 0) {
-    const int64_t in_chunk = offset % kChunkBytes;
-    const int64_t len = std::min(n, kChunkBytes - in_chunk);
-    std::memcpy(row + (offset / kChunkBytes) * kTiledChunkStride + in_chunk, s, len);
-    offset += len, s += len, n -= len;
-  }
+  uint8_t* dst = row + offset / kChunkBytes * kTiledChunkStride;
+  for (int64_t c = 0; c < n / kChunkBytes; ++c)
+    std::memcpy(dst + c * kTiledChunkStride, s + c * kChunkBytes, kChunkBytes);
 }
 
 }  // namespace
