@@ -7,6 +7,7 @@
 
 #include "kt/aligned_vector.h"
 #include "kt/packing.h"
+#include "kt/thread_scratch.h"
 #include "kt/topology.h"
 
 namespace kt {
@@ -426,9 +427,17 @@ void MoeLayer::forward_task(const ForwardArgs& args, const WorkerContext& ctx) {
     auto& ps = ws.pools[ctx.pool];
     const int64_t slice = pw.i_end - pw.i_begin;
     const int64_t slice_groups = slice / Gh;
-    thread_local std::vector<const void*> ptr_a, ptr_s, ptr_m;
-    thread_local AlignedVector<float> c_buf;  // AMX stores full row blocks here directly
-    thread_local std::vector<uint16_t> h_bf16;
+    struct Scratch {
+      std::vector<const void*> ptr_a, ptr_s, ptr_m;
+      AlignedVector<float> c_buf;  // AMX stores full row blocks here directly
+      std::vector<uint16_t> h_bf16;
+    };
+    Scratch& scratch = *thread_scratch<Scratch>();
+    auto& ptr_a = scratch.ptr_a;
+    auto& ptr_s = scratch.ptr_s;
+    auto& ptr_m = scratch.ptr_m;
+    auto& c_buf = scratch.c_buf;
+    auto& h_bf16 = scratch.h_bf16;
     grow(ptr_a, kRowChunk), grow(ptr_s, kRowChunk), grow(ptr_m, kRowChunk);
 
     // Points ptr_a at rows [r0, r0 + m) of expert e in a tiled buffer.

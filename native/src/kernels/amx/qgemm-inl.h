@@ -57,11 +57,19 @@ void gemm_quant(int m, int64_t K, int group, const QuantRows& a, const uint8_t* 
   const int blocks = (m + kRowBlock - 1) / kRowBlock;
   const int64_t pbytes = panel_bytes(M, group, K);
   const int64_t gbytes = group_bytes(M, group), wbytes = group_weight_bytes(M, group);
-  thread_local AlignedVector<uint8_t> stage;      // rows that are not tiled yet
-  thread_local std::vector<const uint8_t*> base;  // per row block
-  thread_local std::vector<float> acc;            // [blocks * 32][32]
-  alignas(64) thread_local int32_t dots[2][32][32];
-  alignas(64) thread_local uint8_t staged[2][128 * 16];
+  struct Scratch {
+    AlignedVector<uint8_t> stage;      // rows that are not tiled yet
+    std::vector<const uint8_t*> base;  // per row block
+    std::vector<float> acc;            // [blocks * 32][32]
+    alignas(64) int32_t dots[2][32][32];
+    alignas(64) uint8_t staged[2][128 * 16];
+  };
+  Scratch& scratch = *thread_scratch<Scratch>();
+  auto& stage = scratch.stage;
+  auto& base = scratch.base;
+  auto& acc = scratch.acc;
+  auto& dots = scratch.dots;
+  auto& staged = scratch.staged;
   if (stage.size() < static_cast<size_t>(blocks * kRowBlock * K)) stage.resize(blocks * kRowBlock * K);
   if (acc.size() < static_cast<size_t>(blocks * kRowBlock * 32)) acc.resize(blocks * kRowBlock * 32);
   base.resize(blocks);

@@ -120,9 +120,15 @@ void gemm_quant_a16(int m, int64_t K, int group, const Bf16Rows& a, const uint8_
   const int64_t chunks = (groups + max_groups - 1) / max_groups;
   const int64_t chunk_groups = (groups + chunks - 1) / chunks;  // equal chunks
   const int width = npanels * kPanelWidth;
-  thread_local AlignedVector<uint8_t> dequantized;
-  thread_local std::vector<float> part;
-  thread_local std::vector<const uint16_t*> rows;
+  struct Scratch {
+    AlignedVector<uint8_t> dequantized;
+    std::vector<float> part;
+    std::vector<const uint16_t*> rows;
+  };
+  Scratch& scratch = *thread_scratch<Scratch>();
+  auto& dequantized = scratch.dequantized;
+  auto& part = scratch.part;
+  auto& rows = scratch.rows;
   const size_t need = static_cast<size_t>(npanels * chunk_groups * group_bf16_bytes);
   if (dequantized.size() < need) dequantized.resize(need);
   if (chunks > 1 && part.size() < static_cast<size_t>(m * width)) part.resize(m * width);

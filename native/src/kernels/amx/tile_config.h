@@ -9,6 +9,7 @@
 
 #include "kt/aligned_vector.h"
 #include "kt/kernels.h"
+#include "kt/thread_scratch.h"
 
 namespace kt::kernels::amx {
 
