@@ -406,6 +406,7 @@ void MoeLayer::forward_task(const ForwardArgs& args, const WorkerContext& ctx) {
     guarded([&] {
       thread_local std::vector<uint16_t> padded;
       grow(padded, Hp);
+      const int64_t H_whole = H / (kChunkBytes / 2) * (kChunkBytes / 2);  // bf16 values in whole chunks
       for (int e : ws.active) {
         for (int64_t r = ws.offsets[e] + ctx.tid; r < ws.offsets[e + 1]; r += ctx.num_threads) {
           const int64_t t = ws.row_token[r];
@@ -413,10 +414,16 @@ void MoeLayer::forward_task(const ForwardArgs& args, const WorkerContext& ctx) {
             store_tiled(tiled_row(ws.x_rows.data(), r + padding_before(e), Hp), 0, ws.x_q.data() + t * Hp,
                         Hp);
           } else {
-            std::memcpy(padded.data(), args.hidden + (c0 + t) * H, H * 2);
-            std::fill(padded.begin() + H, padded.begin() + Hp, uint16_t{0});
-            uint8_t* rows = quantized ? ws.x_rows16.data() : ws.x_rows.data();
-            store_tiled(tiled_row(rows, r + padding_before(e), Hp * 2), 0, padded.data(), Hp * 2);
+            // Whole chunks straight from the input; the last, zero-padded ones through `padded`.
+            const uint16_t* x = args.hidden + (c0 + t) * H;
+            uint8_t* row =
+                tiled_row(quantized ? ws.x_rows16.data() : ws.x_rows.data(), r + padding_before(e), Hp * 2);
+            store_tiled(row, 0, x, H_whole * 2);
+            if (H_whole < Hp) {
+              std::copy(x + H_whole, x + H, padded.begin());
+              std::fill(padded.begin() + (H - H_whole), padded.begin() + (Hp - H_whole), uint16_t{0});
+              store_tiled(row, H_whole * 2, padded.data(), (Hp - H_whole) * 2);
+            }
           }
         }
       }

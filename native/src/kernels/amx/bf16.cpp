@@ -31,18 +31,23 @@ int64_t chunk_k(int blocks, int64_t K) {
 
 // Spreads prefetches of the B lines the loop reads next over the AMX steps of the current pair, so
 // their DRAM stream overlaps this pair's work: `panels` panels of `lines` lines each, `pbytes` apart.
+// Walks the lines in order: a division per line (8 lines per step at Qwen3's gate/up) cost the
+// kernel 2-7%.
 struct NextPairPrefetch {
-  const char* next;
-  int64_t panel_lines, pbytes, total, per_step, line = 0;
-  NextPairPrefetch(const uint8_t* start, int panels, int64_t lines, int64_t panel_stride, int64_t steps)
-      : next(reinterpret_cast<const char*>(start)),
-        panel_lines(lines),
-        pbytes(panel_stride),
-        total(panels * lines),
-        per_step((panels * lines + steps - 1) / steps) {}
+  const char* panel;  // the panel being fetched
+  int64_t panel_stride, chunk_bytes, per_step, left, offset = 0;
+  NextPairPrefetch(const uint8_t* start, int panels, int64_t lines, int64_t pbytes, int64_t steps)
+      : panel(reinterpret_cast<const char*>(start)),
+        panel_stride(pbytes),
+        chunk_bytes(lines * 64),
+        per_step((panels * lines + steps - 1) / steps),
+        left(panels * lines) {}
   void step() {
-    for (const int64_t end = std::min(total, line + per_step); line < end; ++line)
-      _mm_prefetch(next + line / panel_lines * pbytes + line % panel_lines * 64, _MM_HINT_T1);
+    for (int64_t n = std::min(left, per_step); n > 0; --n, --left) {
+      _mm_prefetch(panel + offset, _MM_HINT_T1);
+      offset += 64;
+      if (offset == chunk_bytes) offset = 0, panel += panel_stride;
+    }
   }
 };
 
