@@ -439,12 +439,7 @@ void MoeLayer::forward_task(const ForwardArgs& args, const WorkerContext& ctx) {
       AlignedVector<float> c_buf;  // AMX stores full row blocks here directly
       std::vector<uint16_t> h_bf16;
     };
-    Scratch& scratch = *thread_scratch<Scratch>();
-    auto& ptr_a = scratch.ptr_a;
-    auto& ptr_s = scratch.ptr_s;
-    auto& ptr_m = scratch.ptr_m;
-    auto& c_buf = scratch.c_buf;
-    auto& h_bf16 = scratch.h_bf16;
+    auto& [ptr_a, ptr_s, ptr_m, c_buf, h_bf16] = *thread_scratch<Scratch>();
     grow(ptr_a, kRowChunk), grow(ptr_s, kRowChunk), grow(ptr_m, kRowChunk);
 
     // Points ptr_a at rows [r0, r0 + m) of expert e in a tiled buffer.

@@ -64,12 +64,7 @@ void gemm_quant(int m, int64_t K, int group, const QuantRows& a, const uint8_t* 
     alignas(64) int32_t dots[2][32][32];
     alignas(64) uint8_t staged[2][128 * 16];
   };
-  Scratch& scratch = *thread_scratch<Scratch>();
-  auto& stage = scratch.stage;
-  auto& base = scratch.base;
-  auto& acc = scratch.acc;
-  auto& dots = scratch.dots;
-  auto& staged = scratch.staged;
+  auto& [stage, base, acc, dots, staged] = *thread_scratch<Scratch>();
   if (stage.size() < static_cast<size_t>(blocks * kRowBlock * K)) stage.resize(blocks * kRowBlock * K);
   if (acc.size() < static_cast<size_t>(blocks * kRowBlock * 32)) acc.resize(blocks * kRowBlock * 32);
   base.resize(blocks);

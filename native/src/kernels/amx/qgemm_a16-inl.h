@@ -125,10 +125,7 @@ void gemm_quant_a16(int m, int64_t K, int group, const Bf16Rows& a, const uint8_
     std::vector<float> part;
     std::vector<const uint16_t*> rows;
   };
-  Scratch& scratch = *thread_scratch<Scratch>();
-  auto& dequantized = scratch.dequantized;
-  auto& part = scratch.part;
-  auto& rows = scratch.rows;
+  auto& [dequantized, part, rows] = *thread_scratch<Scratch>();
   const size_t need = static_cast<size_t>(npanels * chunk_groups * group_bf16_bytes);
   if (dequantized.size() < need) dequantized.resize(need);
   if (chunks > 1 && part.size() < static_cast<size_t>(m * width)) part.resize(m * width);
