@@ -24,6 +24,8 @@ SHAPES = [
     # ~230 rows on one expert: AMX runs gate/up (INT8/INT4 on bf16 inputs from 160 rows) and down in
     # several K-chunks, and H = 129 panels leaves a lone panel in the last block of output channels.
     pytest.param(2, 1, 2064, 1408, 512, 16, id="E2-k1-H2064-I1408-T512"),
+    # 600 rows on each expert: more than one kernel call's 512, split into calls of 320 and 280.
+    pytest.param(2, 2, 256, 320, 600, 16, id="E2-k2-H256-I320-T600"),
 ]
 
 

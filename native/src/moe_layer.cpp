@@ -14,7 +14,7 @@ namespace kt {
 
 namespace {
 
-constexpr int kRowChunk = 256;      // rows per kernel call: bounds per-thread scratch
+constexpr int kRowChunk = 512;      // rows per kernel call: bounds per-thread scratch
 constexpr int kMinDownPanels = 4;   // output channels per down work item: at least 4 x 16 ...
 constexpr int kMaxDownPanels = 32;  // ... at most 32 x 16; each item reads every expert's h once
 constexpr int kMaxPools = 64;
@@ -22,6 +22,14 @@ constexpr int kMaxPools = 64;
 template <class Vector>
 void grow(Vector& v, size_t n) {
   if (v.size() < n) v.resize(n);
+}
+
+// Rows per kernel call for an expert with `rows` rows: at most kRowChunk, split evenly in whole
+// blocks. Each call streams (A16: dequantizes) all of the expert's weights, so a split of 256 + a
+// few rows paid that twice for a few rows (DeepSeek at 2048 tokens: half the experts).
+int64_t rows_per_call(int64_t rows) {
+  const int64_t calls = (rows + kRowChunk - 1) / kRowChunk;
+  return std::min<int64_t>(kRowChunk, round_up((rows + calls - 1) / calls, kRowBlock));
 }
 
 struct alignas(64) PaddedCounter {
@@ -461,8 +469,9 @@ void MoeLayer::forward_task(const ForwardArgs& args, const WorkerContext& ctx) {
         const int e = ws.active[item / slice_groups];
         const int64_t gl = item % slice_groups;
         const uint8_t* w = pw.gate_up + e * pw.gate_up_bytes + gl * block_bytes;
-        for (int64_t r0 = ws.offsets[e]; r0 < ws.offsets[e + 1]; r0 += kRowChunk) {
-          const int m = static_cast<int>(std::min<int64_t>(kRowChunk, ws.offsets[e + 1] - r0));
+        const int64_t step = rows_per_call(ws.counts[e]);
+        for (int64_t r0 = ws.offsets[e]; r0 < ws.offsets[e + 1]; r0 += step) {
+          const int m = static_cast<int>(std::min<int64_t>(step, ws.offsets[e + 1] - r0));
           if (ws.a16[e]) {
             point_rows(e, r0, m, ws.x_rows16.data(), Hp * 2);
             gemm_a16(m, Hp, G, bf16_rows, w, 2 * npan, c_buf.data(), ldc);
@@ -509,8 +518,9 @@ void MoeLayer::forward_task(const ForwardArgs& args, const WorkerContext& ctx) {
         const int npan = static_cast<int>(std::min<int64_t>(per_item, panels - p0));
         for (int e : ws.active) {
           const uint8_t* w = pw.down + e * pw.down_bytes + p0 * down_panel;
-          for (int64_t r0 = ws.offsets[e]; r0 < ws.offsets[e + 1]; r0 += kRowChunk) {
-            const int m = static_cast<int>(std::min<int64_t>(kRowChunk, ws.offsets[e + 1] - r0));
+          const int64_t step = rows_per_call(ws.counts[e]);
+          for (int64_t r0 = ws.offsets[e]; r0 < ws.offsets[e + 1]; r0 += step) {
+            const int m = static_cast<int>(std::min<int64_t>(step, ws.offsets[e + 1] - r0));
             point_rows(e, r0, m, ps.h_rows.data(), slice * 2);
             if (quantized)
               gemm_a16(m, slice, G, bf16_rows, w, npan, c_buf.data(), ldc);
