@@ -1,6 +1,6 @@
 // AVX-512 VNNI quantized GEMM (INT8 and INT4): vpdpbusd of packed u8 weights with broadcast s8
-// activations, up to 4 rows of A per pass (one row: four panels per pass), the group epilogue of
-// ../epilogue.h.
+// activations and the group epilogue of ../epilogue.h. Decode: up to 4 rows of A per pass (one row:
+// four panels per pass); prefill: tiles of rows x panels (row_blocks-inl.h).
 #pragma once
 
 #include <immintrin.h>
@@ -92,10 +92,85 @@ inline void gemm_quant_rows(int64_t K, int group, const QuantRows& a, int i0, co
     for (int p = 0; p < kPanels; ++p) _mm512_storeu_ps(out[i] + p * kPanelWidth, acc[i][p]);
 }
 
+// C[i0 + i][16 (p0 + p) + j] for a tile of kRows x kPanels, all of its int32 group sums in
+// registers. The fp32 sums live in C itself (written after the first group, then read and added):
+// with the int32 sums they would not fit in 32 registers, and they move once per group.
+template <Method M, int kRows, int kPanels>
+inline void gemm_quant_tile(int64_t K, int group, const QuantRows& a, int i0, const uint8_t* panel0,
+                            int64_t panel_stride, float* c, int64_t ldc) {
+  const int64_t gbytes = group_bytes(M, group), wbytes = group_weight_bytes(M, group);
+  const __m512i nibble = _mm512_set1_epi8(0x0f);
+  for (int64_t gi = 0; gi < K / group; ++gi) {
+    const int64_t k0 = gi * group;
+    const uint8_t* w[kPanels];
+    for (int p = 0; p < kPanels; ++p) w[p] = panel0 + p * panel_stride + gi * gbytes;
+    __m512i d[kRows][kPanels];
+    for (int i = 0; i < kRows; ++i)
+      for (int p = 0; p < kPanels; ++p) d[i][p] = _mm512_setzero_si512();
+    // Adds the weight vectors wv (4 K-values per channel) times each row's 4 activations x[i][r].
+    auto dot = [&](const __m512i* wv, const int32_t* const* x, int r) __attribute__((always_inline)) {
+      for (int i = 0; i < kRows; ++i) {
+        const __m512i xv = _mm512_set1_epi32(x[i][r]);
+        for (int p = 0; p < kPanels; ++p) d[i][p] = _mm512_dpbusd_epi32(d[i][p], wv[p], xv);
+      }
+    };
+    const int32_t* x[kRows];
+    if constexpr (M == Method::kInt8) {
+      for (int ch = 0; ch < group; ch += kChunkBytes) {  // a group of 128 spans two 64-byte chunks
+        for (int i = 0; i < kRows; ++i) x[i] = reinterpret_cast<const int32_t*>(quant_at(a, i0 + i, k0 + ch));
+        const int quads = std::min<int>(kChunkBytes, group) / 4;
+        for (int r = 0; r < quads; ++r) {
+          __m512i wv[kPanels];
+          for (int p = 0; p < kPanels; ++p) wv[p] = _mm512_loadu_si512(w[p] + (ch / 4 + r) * 64);
+          dot(wv, x, r);
+        }
+      }
+    } else {  // low nibbles hold the first half of the group, high nibbles the second
+      const int half = group / 8;
+      const int32_t* xh[kRows];
+      for (int i = 0; i < kRows; ++i) {
+        x[i] = reinterpret_cast<const int32_t*>(quant_at(a, i0 + i, k0));
+        xh[i] = reinterpret_cast<const int32_t*>(quant_at(a, i0 + i, k0 + group / 2));
+      }
+      for (int r = 0; r < half; ++r) {
+        __m512i wv[kPanels];
+        for (int p = 0; p < kPanels; ++p) wv[p] = _mm512_and_si512(_mm512_loadu_si512(w[p] + r * 64), nibble);
+        dot(wv, x, r);
+        for (int p = 0; p < kPanels; ++p)
+          wv[p] = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(w[p] + r * 64), 4), nibble);
+        dot(wv, xh, r);
+      }
+    }
+    for (int p = 0; p < kPanels; ++p) {
+      const __m512 ws = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[p] + wbytes)));
+      const __m512 wm =
+          M == Method::kInt8
+              ? _mm512_mul_ps(ws, _mm512_set1_ps(-128.0f))
+              : _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[p] + wbytes + 32)));
+      for (int i = 0; i < kRows; ++i) {
+        float* out = c + (i0 + i) * ldc + p * kPanelWidth;
+        const __m512 sum = gi == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(out);
+        const __m512 t = _mm512_fmadd_ps(wm, _mm512_set1_ps(a.scaled_sum[i0 + i][gi]), sum);
+        _mm512_storeu_ps(out, _mm512_fmadd_ps(_mm512_cvtepi32_ps(d[i][p]),
+                                              _mm512_mul_ps(ws, _mm512_set1_ps(a.scale[i0 + i][gi])), t));
+      }
+    }
+  }
+}
+
 template <Method M>
 void gemm_quant(int m, int64_t K, int group, const QuantRows& a, const uint8_t* panels, int npanels, float* c,
                 int64_t ldc) {
   const int64_t stride = panel_bytes(M, group, K);
+  if (m > kMaxDecodeRows) {
+    // 4 x 2 measured best on Zen 4 (m = 128, K = 2048, 16 panels: INT8 x1.13, INT4 x1.07 over the
+    // decode blocks; 6 x 4 and 4 x 4 lost up to x0.6 for INT4).
+    for_each_tile<4, 2>(m, npanels, [&](auto rows, auto tile_panels, int i0, int p0) {
+      gemm_quant_tile<M, decltype(rows)::value, decltype(tile_panels)::value>(
+          K, group, a, i0, panels + p0 * stride, stride, c + p0 * kPanelWidth, ldc);
+    });
+    return;
+  }
   for_each_row_block<4>(
       m, panels, npanels, stride, c, ldc,
       [&](auto rows, auto panels_per_pass, int i0, const uint8_t* panel, float* const* out) {

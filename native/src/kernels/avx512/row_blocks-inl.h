@@ -1,8 +1,13 @@
-// The outer loop of the AVX-512 kernels: every panel with its rows in blocks of 4, then the rows
-// left over one by one (the row kernels keep one accumulator set per row and panel in registers).
+// The outer loops of the AVX-512 kernels. Small batches (decode, at most kMaxDecodeRows rows):
+// every panel with its rows in blocks of 4, then the rows left over one by one. Larger batches
+// (prefill) in the BF16 and int8-input kernels: tiles of rows x panels whose accumulators all stay
+// in registers, so each weight vector loaded serves every row of the tile and each broadcast
+// activation every panel.
 #pragma once
 
+#include <algorithm>
 #include <type_traits>
+#include <utility>
 
 #include "kt/quant_types.h"
 
@@ -46,6 +51,28 @@ inline void for_each_row_block(int m, const uint8_t* panels, int npanels, int64_
       rows(integral_constant<int, 1>{}, integral_constant<int, 1>{}, i0, panels + p * panel_stride, out);
     }
   }
+}
+
+inline constexpr int kMaxDecodeRows = 4;
+
+// Calls f(std::integral_constant<int, n>) for a run-time 1 <= n <= kMax.
+template <int kMax, class F>
+inline void with_count(int n, F&& f) {
+  [&]<int... kN>(std::integer_sequence<int, kN...>) {
+    ((n == kN + 1 ? (f(std::integral_constant<int, kN + 1>{}), 0) : 0), ...);
+  }(std::make_integer_sequence<int, kMax>{});
+}
+
+// Calls tile(std::integral_constant<int, rows>, std::integral_constant<int, panels>, i0, p0) for
+// rows [i0, i0 + rows) x panels [p0, p0 + panels), at most kRows x kPanels each, covering
+// m x npanels: panel tiles outer, so their weights are re-read from cache by every row tile.
+template <int kRows, int kPanels, class F>
+inline void for_each_tile(int m, int npanels, F&& tile) {
+  for (int p0 = 0; p0 < npanels; p0 += kPanels)
+    with_count<kPanels>(std::min(kPanels, npanels - p0), [&](auto panels) {
+      for (int i0 = 0; i0 < m; i0 += kRows)
+        with_count<kRows>(std::min(kRows, m - i0), [&](auto rows) { tile(rows, panels, i0, p0); });
+    });
 }
 
 }  // namespace kt::kernels::avx512
