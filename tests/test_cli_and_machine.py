@@ -40,6 +40,8 @@ def test_doctor_reports_machine():
     assert "torch" in r.stdout and "sglang" in r.stdout and "GPU:" in r.stdout
     driver = "CUDA driver: found" if _native.cuda_host_launch_available() else "CUDA driver: no CUDA driver"
     assert driver in r.stdout and "llmcompressor" in r.stdout
+    ahead = _native.weight_prefetch_bytes()
+    assert "decode weight prefetch: " + (f"{ahead} bytes ahead" if ahead else "off") in r.stdout
 
 
 def test_doctor_reports_bad_isa_variable():

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import isa_params, make_hidden, make_routing, make_weights
@@ -212,3 +217,42 @@ def test_no_tokens_and_all_skipped():
     ids = torch.full((5, k), -1)
     out = layer.forward(make_hidden(5, H), ids, torch.rand(5, k))
     assert torch.count_nonzero(out) == 0
+
+
+# One process per setting: KT_SGLANG_PREFETCH_BYTES is read once per process.
+PREFETCH_RUN = """
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+from conftest import make_hidden, make_routing, make_weights
+from kt_sglang import KTMoEWrapper
+outs = {}
+for method in ("BF16", "AMXINT8", "AMXINT4"):
+    for T in (3, 40):  # at most 4 rows per expert (decode kernels), then ~10 (prefill)
+        gate, up, down = make_weights(8, 320, 640, seed=11)
+        ids, weights = make_routing(T, 8, 2)
+        layer = KTMoEWrapper(0, 8, 2, 640, 320, None, 2, 1, method=method, isa=sys.argv[2])
+        layer.load_weights_from_tensors(gate.bfloat16(), up.bfloat16(), down.bfloat16())
+        outs[method, T] = layer.forward(make_hidden(T, 640), ids, weights)
+torch.save(outs, sys.argv[3])
+"""
+
+
+@pytest.mark.parametrize("isa", isa_params(("avx512", "amx")))
+def test_weight_prefetch_changes_no_result(isa, tmp_path):
+    """The decode kernels' weight prefetch (on by default on Intel, off elsewhere) moves memory
+    traffic only: outputs are bit-identical with it off and 4 KiB ahead."""
+    outs = {}
+    for ahead in ("0", "4096"):
+        path = tmp_path / f"out-{ahead}.pt"
+        r = subprocess.run(
+            [sys.executable, "-c", PREFETCH_RUN, str(Path(__file__).parent), isa, str(path)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=tmp_path,  # not the source tree, whose kt_sglang has no built engine
+            env={**os.environ, "KT_SGLANG_PREFETCH_BYTES": ahead},
+        )
+        assert r.returncode == 0, r.stderr
+        outs[ahead] = torch.load(path)
+    for key, out in outs["0"].items():
+        assert torch.equal(out, outs["4096"][key]), key

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from conftest import make_hidden, make_routing, make_weights
@@ -86,6 +90,22 @@ def test_isa_env_variable(monkeypatch):
         new_layer()
     monkeypatch.setenv("KT_SGLANG_ISA", "scalar")
     assert new_layer().isa == "scalar"
+
+
+def test_prefetch_env_variable(tmp_path):
+    """Read once per process, so checked in a fresh one: a bad value fails the layer's construction."""
+    make = "from kt_sglang import KTMoEWrapper; KTMoEWrapper(0, 8, 2, 256, 192, None, 1, 1, method='BF16')"
+    for bad in ("abc", "-1", "70000"):
+        r = subprocess.run(
+            [sys.executable, "-c", make],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=tmp_path,  # not the source tree, whose kt_sglang has no built engine
+            env={**os.environ, "KT_SGLANG_PREFETCH_BYTES": bad},
+        )
+        assert r.returncode != 0
+        assert f"ValueError: KT_SGLANG_PREFETCH_BYTES='{bad}' is not a byte count" in r.stderr
 
 
 def test_unsupported_isa_is_a_clear_error(monkeypatch):

@@ -69,6 +69,17 @@ def run_doctor() -> int:
     except ValueError as exc:
         problems.append(str(exc))
         chosen = None
+    try:
+        ahead = _native.weight_prefetch_bytes()
+        forced = os.environ.get("KT_SGLANG_PREFETCH_BYTES")
+        why = "KT_SGLANG_PREFETCH_BYTES" if forced else f"default for {f['vendor'] or 'this CPU'}"
+        print(
+            "  decode weight prefetch: "
+            + (f"{ahead} bytes ahead" if ahead else "off (hardware prefetcher only)")
+            + f" ({why})"
+        )
+    except ValueError as exc:
+        problems.append(str(exc))
     if f["amx_tile"]:
         if f["amx_permitted"]:
             print("  AMX: available, permission granted by the kernel")

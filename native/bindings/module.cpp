@@ -66,9 +66,9 @@ PYBIND11_MODULE(_native, m) {
   m.def("cpu_features", [] {
     const CpuFeatures& f = cpu_features();
     return py::dict(
-        py::arg("brand") = f.brand, py::arg("avx2") = f.avx2, py::arg("fma") = f.fma,
-        py::arg("f16c") = f.f16c, py::arg("avx512f") = f.avx512f, py::arg("avx512bw") = f.avx512bw,
-        py::arg("avx512vl") = f.avx512vl, py::arg("avx512dq") = f.avx512dq,
+        py::arg("vendor") = f.vendor, py::arg("brand") = f.brand, py::arg("avx2") = f.avx2,
+        py::arg("fma") = f.fma, py::arg("f16c") = f.f16c, py::arg("avx512f") = f.avx512f,
+        py::arg("avx512bw") = f.avx512bw, py::arg("avx512vl") = f.avx512vl, py::arg("avx512dq") = f.avx512dq,
         py::arg("avx512_vnni") = f.avx512_vnni, py::arg("avx512_bf16") = f.avx512_bf16,
         py::arg("avx512_vbmi") = f.avx512_vbmi, py::arg("amx_tile") = f.amx_tile,
         py::arg("amx_int8") = f.amx_int8, py::arg("amx_bf16") = f.amx_bf16, py::arg("os_avx") = f.os_avx,
@@ -81,6 +81,7 @@ PYBIND11_MODULE(_native, m) {
     return out;
   });
   m.def("best_isa", [] { return std::string(isa_name(best_isa())); });
+  m.def("weight_prefetch_bytes", &weight_prefetch_bytes);
   m.def("selected_isa", [] { return std::string(isa_name(selected_isa())); });
   m.def("kernel_families", [](const std::string& isa) {
     const auto parsed = parse_isa(isa);

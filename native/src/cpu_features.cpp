@@ -41,6 +41,12 @@ CpuFeatures detect() {
   while (!f.brand.empty() && f.brand.front() == ' ') f.brand.erase(f.brand.begin());
 
   const unsigned max_leaf = __get_cpuid_max(0, nullptr);
+  {
+    char vendor[13] = {};
+    __cpuid(0, a, b, c, d);
+    std::memcpy(vendor, &b, 4), std::memcpy(vendor + 4, &d, 4), std::memcpy(vendor + 8, &c, 4);
+    f.vendor = vendor;
+  }
   if (max_leaf < 7) return f;
   __cpuid_count(1, 0, a, b, c, d);
   const bool osxsave = bit(c, 27);
@@ -118,8 +124,8 @@ bool isa_supported(Isa isa) {
     case Isa::kAvx512:
       return avx512;
     case Isa::kAmx:
-      return avx512 && f.avx512_vnni && f.avx512_bf16 && f.avx512_vbmi && f.amx_tile && f.amx_int8 && f.amx_bf16 &&
-             f.amx_permitted;
+      return avx512 && f.avx512_vnni && f.avx512_bf16 && f.avx512_vbmi && f.amx_tile && f.amx_int8 &&
+             f.amx_bf16 && f.amx_permitted;
   }
   return false;
 }

@@ -101,6 +101,7 @@ MoeLayer::MoeLayer(const MoeConfig& config, std::shared_ptr<Runner> runner,
       runner_(std::move(runner)),
       workspace_(std::move(workspace)),
       table_(kernel_table(isa)) {
+  weight_prefetch_bytes();  // an invalid KT_SGLANG_PREFETCH_BYTES fails here, not in a worker
   const MethodTraits& traits = method_traits(config_.method);
   group_ = config_.group == 0 ? traits.default_group : config_.group;
   if (!group_allowed(config_.method, group_))

@@ -15,6 +15,7 @@ const char* isa_name(Isa isa);
 std::optional<Isa> parse_isa(std::string_view name);
 
 struct CpuFeatures {
+  std::string vendor;  // CPUID leaf 0: "GenuineIntel", "AuthenticAMD", ...
   std::string brand;
   // CPUID bits.
   bool avx2 = false, fma = false, f16c = false;

@@ -19,12 +19,13 @@ void gemm_bf16_rows(int64_t K, const Bf16Rows& a, int i0, const uint8_t* w, floa
   __m512 acc[kRows][kChains];
   for (int i = 0; i < kRows; ++i)
     for (int u = 0; u < kChains; ++u) acc[i][u] = _mm512_setzero_ps();
+  const int64_t ahead = weight_prefetch_bytes();
   for (int64_t k = 0; k < K; k += 32) {  // one 64-byte chunk of each row: 16 K-pairs
     const int32_t* x[kRows];
     for (int i = 0; i < kRows; ++i) x[i] = reinterpret_cast<const int32_t*>(bf16_at(a, i0 + i, k));
     const uint8_t* wk = w + k * 64 / 2;
-    for (int off = 0; off < 1024; off += 64)  // every line of the chunk 4 KiB ahead
-      _mm_prefetch(reinterpret_cast<const char*>(wk + 4096 + off), _MM_HINT_T0);
+    for (int off = 0; ahead > 0 && off < 1024; off += 64)  // every line of the chunk, `ahead` bytes on
+      _mm_prefetch(reinterpret_cast<const char*>(wk + ahead + off), _MM_HINT_T0);
     for (int j = 0; j < 16; j += kChains)
       for (int u = 0; u < kChains; ++u) {
         const __m512bh wv = (__m512bh)_mm512_loadu_si512(wk + (j + u) * 64);

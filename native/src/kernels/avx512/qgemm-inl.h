@@ -30,7 +30,8 @@ inline void gemm_quant_rows(int64_t K, int group, const QuantRows& a, int i0, co
     for (int p = 0; p < kPanels; ++p) {
       w[p] = panel0 + p * panel_stride + gi * gbytes;
       const char* ahead = reinterpret_cast<const char*>(w[p]) + ahead_bytes;
-      for (int64_t off = 0; off < gbytes; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
+      for (int64_t off = 0; ahead_bytes > 0 && off < gbytes; off += 64)
+        _mm_prefetch(ahead + off, _MM_HINT_T0);
     }
     __m512i d[kRows][kPanels][kChains];
     for (int i = 0; i < kRows; ++i)

@@ -9,17 +9,18 @@
 #include <type_traits>
 #include <utility>
 
+#include "kt/kernels.h"
 #include "kt/quant_types.h"
 
 namespace kt::kernels::avx512 {
 
-// How far ahead of each weight stream the quantized kernels prefetch (into L1), in whole groups of
-// about 4 KiB: decode streams weights once, and the hardware prefetcher alone left INT4 at 60% of
-// the read bandwidth. Eight groups of INT8 (8.4 KiB per panel, four panels per pass) overran L1:
-// Qwen3 INT8 decode ran 5-9% faster with four.
+// How far ahead of each weight stream the quantized kernels prefetch (into L1), in whole groups:
+// weight_prefetch_bytes() (kt/kernels.h) rounded up, 0 for none. On Sapphire Rapids the hardware
+// prefetcher alone left INT4 decode at 60% of the read bandwidth, and 4 KiB ahead beat 8 groups of
+// INT8 (8.4 KiB per panel, four panels per pass, past L1) by 5-9%.
 inline int64_t prefetch_distance(int64_t gbytes) {
-  constexpr int64_t kPrefetchBytes = 4096;
-  return (kPrefetchBytes + gbytes - 1) / gbytes * gbytes;
+  const int64_t bytes = weight_prefetch_bytes();
+  return (bytes + gbytes - 1) / gbytes * gbytes;
 }
 
 // Calls rows(std::integral_constant<int, kRows>, std::integral_constant<int, kPanels>, i0, panel,
