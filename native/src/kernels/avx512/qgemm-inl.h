@@ -164,8 +164,8 @@ void gemm_quant(int m, int64_t K, int group, const QuantRows& a, const uint8_t* 
                 int64_t ldc) {
   const int64_t stride = panel_bytes(M, group, K);
   if (m > kMaxDecodeRows) {
-    // 4 x 2 measured best on Zen 4 (m = 128, K = 2048, 16 panels: INT8 x1.13, INT4 x1.07 over the
-    // decode blocks; 6 x 4 and 4 x 4 lost up to x0.6 for INT4).
+    // 4 x 2 measured best on Zen 4 (m = 32-256, K = 2048 and 7168: INT8 x1.11-1.22, INT4
+    // x0.98-1.03 over the decode blocks; 6 x 4 and 4 x 4 lost up to x0.6 for INT4).
     for_each_tile<4, 2>(m, npanels, [&](auto rows, auto tile_panels, int i0, int p0) {
       gemm_quant_tile<M, decltype(rows)::value, decltype(tile_panels)::value>(
           K, group, a, i0, panels + p0 * stride, stride, c + p0 * kPanelWidth, ldc);
