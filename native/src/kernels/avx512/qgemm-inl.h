@@ -5,11 +5,21 @@
 
 #include <immintrin.h>
 
+#include <utility>
+
 #include "../activations.h"
 #include "../epilogue.h"
 #include "row_blocks-inl.h"
 
 namespace kt::kernels::avx512 {
+
+// The 16 channels' scale ws and offset wm of one group (../epilogue.h), from its scale block.
+template <Method M>
+inline std::pair<__m512, __m512> group_scales(const uint8_t* block) {
+  const __m512 ws = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block)));
+  if constexpr (M == Method::kInt8) return {ws, _mm512_mul_ps(ws, _mm512_set1_ps(-128.0f))};
+  return {ws, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32)))};
+}
 
 // kRows rows x kPanels panels per pass (kPanels > 1 only for a single row, see row_blocks-inl.h).
 template <Method M, int kRows, int kPanels>
@@ -74,11 +84,7 @@ inline void gemm_quant_rows(int64_t K, int group, const QuantRows& a, int i0, co
           }
     }
     for (int p = 0; p < kPanels; ++p) {
-      const __m512 ws = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[p] + wbytes)));
-      const __m512 wm =
-          M == Method::kInt8
-              ? _mm512_mul_ps(ws, _mm512_set1_ps(-128.0f))
-              : _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[p] + wbytes + 32)));
+      const auto [ws, wm] = group_scales<M>(w[p] + wbytes);
       for (int i = 0; i < kRows; ++i) {
         __m512i dsum = d[i][p][0];
         for (int u = 1; u < kChains; ++u) dsum = _mm512_add_epi32(dsum, d[i][p][u]);
@@ -143,11 +149,7 @@ inline void gemm_quant_tile(int64_t K, int group, const QuantRows& a, int i0, co
       }
     }
     for (int p = 0; p < kPanels; ++p) {
-      const __m512 ws = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[p] + wbytes)));
-      const __m512 wm =
-          M == Method::kInt8
-              ? _mm512_mul_ps(ws, _mm512_set1_ps(-128.0f))
-              : _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[p] + wbytes + 32)));
+      const auto [ws, wm] = group_scales<M>(w[p] + wbytes);
       for (int i = 0; i < kRows; ++i) {
         float* out = c + (i0 + i) * ldc + p * kPanelWidth;
         const __m512 sum = gi == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(out);
