@@ -62,7 +62,7 @@ inline int64_t round_up(int64_t x, int64_t a) {
 }
 
 // Bytes of one group of one panel: weights, then scales.
-inline int64_t group_weight_bytes(Method m, int group) {
+constexpr int64_t group_weight_bytes(Method m, int group) {
   switch (m) {
     case Method::kBf16:
       return int64_t{kPanelWidth} * group * 2;
@@ -73,7 +73,7 @@ inline int64_t group_weight_bytes(Method m, int group) {
   }
   return 0;
 }
-inline int64_t group_scale_bytes(Method m) {
+constexpr int64_t group_scale_bytes(Method m) {
   switch (m) {
     case Method::kBf16:
       return 0;
@@ -84,7 +84,7 @@ inline int64_t group_scale_bytes(Method m) {
   }
   return 0;
 }
-inline int64_t group_bytes(Method m, int group) {
+constexpr int64_t group_bytes(Method m, int group) {
   return group_weight_bytes(m, group) + group_scale_bytes(m);
 }
 // One panel covers K (a multiple of `group`).

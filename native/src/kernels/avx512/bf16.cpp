@@ -79,7 +79,7 @@ void gemm_bf16(int m, int64_t K, const Bf16Rows& a, const uint8_t* panels, int n
     return;
   }
   for_each_row_block(m, panels, npanels, stride, c, ldc,
-                     [&](auto rows, auto /*one panel*/, int i0, const uint8_t* panel, float* const* out) {
+                     [&](auto rows, int i0, const uint8_t* panel, float* const* out) {
                        gemm_bf16_rows<decltype(rows)::value>(K, a, i0, panel, out);
                      });
 }

@@ -1,6 +1,6 @@
 // AVX-512 VNNI quantized GEMM (INT8 and INT4): vpdpbusd of packed u8 weights with broadcast s8
-// activations and the group epilogue of ../epilogue.h. Decode: up to 4 rows of A per pass (one row:
-// four panels per pass); prefill: tiles of rows x panels (row_blocks-inl.h).
+// activations and the group epilogue of ../epilogue.h. Decode: up to 4 rows of A per pass over one
+// panel; prefill: tiles of rows x panels (row_blocks-inl.h).
 #pragma once
 
 #include <immintrin.h>
@@ -21,94 +21,81 @@ inline std::pair<__m512, __m512> group_scales(const uint8_t* block) {
   return {ws, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32)))};
 }
 
-// kRows rows x kPanels panels per pass (kPanels > 1 only for a single row, see row_blocks-inl.h).
-template <Method M, int kRows, int kPanels>
-inline void gemm_quant_rows(int64_t K, int group, const QuantRows& a, int i0, const uint8_t* panel0,
-                            int64_t panel_stride, float* const* out) {
-  // Independent accumulators per row and panel: vpdpbusd has a latency of several cycles, and one
-  // chain per row would bound a single-row (decode) pass to ~13 GB/s per core.
+// kRows rows of one panel per pass (decode).
+template <Method M, int kGroup, int kRows>
+inline void gemm_quant_rows(int64_t K, const QuantRows& a, int i0, const uint8_t* panel, float* const* out) {
+  // Independent accumulators per row: vpdpbusd has a latency of several cycles, and one chain per
+  // row would bound a single-row (decode) pass to ~13 GB/s per core.
   constexpr int kChains = kRows == 1 ? 4 : 2;
-  const int64_t gbytes = group_bytes(M, group), wbytes = group_weight_bytes(M, group);
+  constexpr int64_t gbytes = group_bytes(M, kGroup), wbytes = group_weight_bytes(M, kGroup);
   const int64_t ahead_bytes = prefetch_distance(gbytes);
   const __m512i nibble = _mm512_set1_epi8(0x0f);
-  __m512 acc[kRows][kPanels];
-  for (int i = 0; i < kRows; ++i)
-    for (int p = 0; p < kPanels; ++p) acc[i][p] = _mm512_setzero_ps();
-  for (int64_t gi = 0; gi < K / group; ++gi) {
-    const int64_t k0 = gi * group;
-    const uint8_t* w[kPanels];
-    for (int p = 0; p < kPanels; ++p) {
-      w[p] = panel0 + p * panel_stride + gi * gbytes;
-      const char* ahead = reinterpret_cast<const char*>(w[p]) + ahead_bytes;
-      for (int64_t off = 0; ahead_bytes > 0 && off < gbytes; off += 64)
-        _mm_prefetch(ahead + off, _MM_HINT_T0);
-    }
-    __m512i d[kRows][kPanels][kChains];
+  __m512 acc[kRows];
+  for (int i = 0; i < kRows; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t gi = 0; gi < K / kGroup; ++gi) {
+    const int64_t k0 = gi * kGroup;
+    const uint8_t* w = panel + gi * gbytes;
+    const char* ahead = reinterpret_cast<const char*>(w) + ahead_bytes;
+    for (int64_t off = 0; ahead_bytes > 0 && off < gbytes; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
+    __m512i d[kRows][kChains];
     for (int i = 0; i < kRows; ++i)
-      for (int p = 0; p < kPanels; ++p)
-        for (int u = 0; u < kChains; ++u) d[i][p][u] = _mm512_setzero_si512();
+      for (int u = 0; u < kChains; ++u) d[i][u] = _mm512_setzero_si512();
     if constexpr (M == Method::kInt8) {
       // A group of 32 is half a chunk, one of 128 two chunks.
-      for (int c = 0; c < group; c += kChunkBytes) {
-        const int quads = std::min<int>(kChunkBytes, group) / 4;
+      for (int c = 0; c < kGroup; c += kChunkBytes) {
+        constexpr int quads = std::min<int>(kChunkBytes, kGroup) / 4;
         const int32_t* x[kRows];
         for (int i = 0; i < kRows; ++i) x[i] = reinterpret_cast<const int32_t*>(quant_at(a, i0 + i, k0 + c));
         for (int r = 0; r < quads; r += kChains)
-          for (int u = 0; u < kChains; ++u)
-            for (int p = 0; p < kPanels; ++p) {
-              const __m512i wv = _mm512_loadu_si512(w[p] + (c / 4 + r + u) * 64);
-              for (int i = 0; i < kRows; ++i)
-                d[i][p][u] = _mm512_dpbusd_epi32(d[i][p][u], wv, _mm512_set1_epi32(x[i][r + u]));
-            }
+          for (int u = 0; u < kChains; ++u) {
+            const __m512i wv = _mm512_loadu_si512(w + (c / 4 + r + u) * 64);
+            for (int i = 0; i < kRows; ++i)
+              d[i][u] = _mm512_dpbusd_epi32(d[i][u], wv, _mm512_set1_epi32(x[i][r + u]));
+          }
       }
     } else {
       // Low nibbles hold the first half of the group, high nibbles the second.
-      const int half = group / 8;
+      constexpr int half = kGroup / 8;
       const int32_t* lo_x[kRows];
       const int32_t* hi_x[kRows];
       for (int i = 0; i < kRows; ++i) {
         lo_x[i] = reinterpret_cast<const int32_t*>(quant_at(a, i0 + i, k0));
-        hi_x[i] = reinterpret_cast<const int32_t*>(quant_at(a, i0 + i, k0 + group / 2));
+        hi_x[i] = reinterpret_cast<const int32_t*>(quant_at(a, i0 + i, k0 + kGroup / 2));
       }
       for (int r = 0; r < half; r += kChains / 2)
-        for (int u = 0; u < kChains / 2; ++u)
-          for (int p = 0; p < kPanels; ++p) {
-            const __m512i v = _mm512_loadu_si512(w[p] + (r + u) * 64);
-            const __m512i lo = _mm512_and_si512(v, nibble);
-            const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
-            for (int i = 0; i < kRows; ++i) {
-              d[i][p][2 * u] = _mm512_dpbusd_epi32(d[i][p][2 * u], lo, _mm512_set1_epi32(lo_x[i][r + u]));
-              d[i][p][2 * u + 1] =
-                  _mm512_dpbusd_epi32(d[i][p][2 * u + 1], hi, _mm512_set1_epi32(hi_x[i][r + u]));
-            }
+        for (int u = 0; u < kChains / 2; ++u) {
+          const __m512i v = _mm512_loadu_si512(w + (r + u) * 64);
+          const __m512i lo = _mm512_and_si512(v, nibble);
+          const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+          for (int i = 0; i < kRows; ++i) {
+            d[i][2 * u] = _mm512_dpbusd_epi32(d[i][2 * u], lo, _mm512_set1_epi32(lo_x[i][r + u]));
+            d[i][2 * u + 1] = _mm512_dpbusd_epi32(d[i][2 * u + 1], hi, _mm512_set1_epi32(hi_x[i][r + u]));
           }
+        }
     }
-    for (int p = 0; p < kPanels; ++p) {
-      const auto [ws, wm] = group_scales<M>(w[p] + wbytes);
-      for (int i = 0; i < kRows; ++i) {
-        __m512i dsum = d[i][p][0];
-        for (int u = 1; u < kChains; ++u) dsum = _mm512_add_epi32(dsum, d[i][p][u]);
-        const __m512 t = _mm512_mul_ps(wm, _mm512_set1_ps(a.scaled_sum[i0 + i][gi]));
-        acc[i][p] = _mm512_add_ps(acc[i][p],
-                                  _mm512_fmadd_ps(_mm512_cvtepi32_ps(dsum),
-                                                  _mm512_mul_ps(ws, _mm512_set1_ps(a.scale[i0 + i][gi])), t));
-      }
+    const auto [ws, wm] = group_scales<M>(w + wbytes);
+    for (int i = 0; i < kRows; ++i) {
+      __m512i dsum = d[i][0];
+      for (int u = 1; u < kChains; ++u) dsum = _mm512_add_epi32(dsum, d[i][u]);
+      const __m512 t = _mm512_mul_ps(wm, _mm512_set1_ps(a.scaled_sum[i0 + i][gi]));
+      acc[i] =
+          _mm512_add_ps(acc[i], _mm512_fmadd_ps(_mm512_cvtepi32_ps(dsum),
+                                                _mm512_mul_ps(ws, _mm512_set1_ps(a.scale[i0 + i][gi])), t));
     }
   }
-  for (int i = 0; i < kRows; ++i)
-    for (int p = 0; p < kPanels; ++p) _mm512_storeu_ps(out[i] + p * kPanelWidth, acc[i][p]);
+  for (int i = 0; i < kRows; ++i) _mm512_storeu_ps(out[i], acc[i]);
 }
 
 // C[i0 + i][16 (p0 + p) + j] for a tile of kRows x kPanels, all of its int32 group sums in
 // registers. The fp32 sums live in C itself (written after the first group, then read and added):
 // with the int32 sums they would not fit in 32 registers, and they move once per group.
-template <Method M, int kRows, int kPanels>
-inline void gemm_quant_tile(int64_t K, int group, const QuantRows& a, int i0, const uint8_t* panel0,
+template <Method M, int kGroup, int kRows, int kPanels>
+inline void gemm_quant_tile(int64_t K, const QuantRows& a, int i0, const uint8_t* panel0,
                             int64_t panel_stride, float* c, int64_t ldc) {
-  const int64_t gbytes = group_bytes(M, group), wbytes = group_weight_bytes(M, group);
+  const int64_t gbytes = group_bytes(M, kGroup), wbytes = group_weight_bytes(M, kGroup);
   const __m512i nibble = _mm512_set1_epi8(0x0f);
-  for (int64_t gi = 0; gi < K / group; ++gi) {
-    const int64_t k0 = gi * group;
+  for (int64_t gi = 0; gi < K / kGroup; ++gi) {
+    const int64_t k0 = gi * kGroup;
     const uint8_t* w[kPanels];
     for (int p = 0; p < kPanels; ++p) w[p] = panel0 + p * panel_stride + gi * gbytes;
     __m512i d[kRows][kPanels];
@@ -123,9 +110,9 @@ inline void gemm_quant_tile(int64_t K, int group, const QuantRows& a, int i0, co
     };
     const int32_t* x[kRows];
     if constexpr (M == Method::kInt8) {
-      for (int ch = 0; ch < group; ch += kChunkBytes) {  // a group of 128 spans two 64-byte chunks
+      for (int ch = 0; ch < kGroup; ch += kChunkBytes) {  // a group of 128 spans two 64-byte chunks
         for (int i = 0; i < kRows; ++i) x[i] = reinterpret_cast<const int32_t*>(quant_at(a, i0 + i, k0 + ch));
-        const int quads = std::min<int>(kChunkBytes, group) / 4;
+        const int quads = std::min<int>(kChunkBytes, kGroup) / 4;
         for (int r = 0; r < quads; ++r) {
           __m512i wv[kPanels];
           for (int p = 0; p < kPanels; ++p) wv[p] = _mm512_loadu_si512(w[p] + (ch / 4 + r) * 64);
@@ -133,11 +120,11 @@ inline void gemm_quant_tile(int64_t K, int group, const QuantRows& a, int i0, co
         }
       }
     } else {  // low nibbles hold the first half of the group, high nibbles the second
-      const int half = group / 8;
+      const int half = kGroup / 8;
       const int32_t* xh[kRows];
       for (int i = 0; i < kRows; ++i) {
         x[i] = reinterpret_cast<const int32_t*>(quant_at(a, i0 + i, k0));
-        xh[i] = reinterpret_cast<const int32_t*>(quant_at(a, i0 + i, k0 + group / 2));
+        xh[i] = reinterpret_cast<const int32_t*>(quant_at(a, i0 + i, k0 + kGroup / 2));
       }
       for (int r = 0; r < half; ++r) {
         __m512i wv[kPanels];
@@ -165,21 +152,22 @@ template <Method M>
 void gemm_quant(int m, int64_t K, int group, const QuantRows& a, const uint8_t* panels, int npanels, float* c,
                 int64_t ldc) {
   const int64_t stride = panel_bytes(M, group, K);
-  if (m > kMaxDecodeRows) {
-    // 4 x 2 measured best on Zen 4 (m = 32-256, K = 2048 and 7168: INT8 x1.11-1.22, INT4
-    // x0.98-1.03 over the decode blocks; 6 x 4 and 4 x 4 lost up to x0.6 for INT4).
-    for_each_tile<4, 2>(m, npanels, [&](auto rows, auto tile_panels, int i0, int p0) {
-      gemm_quant_tile<M, decltype(rows)::value, decltype(tile_panels)::value>(
-          K, group, a, i0, panels + p0 * stride, stride, c + p0 * kPanelWidth, ldc);
-    });
-    return;
-  }
-  for_each_row_block<4>(
-      m, panels, npanels, stride, c, ldc,
-      [&](auto rows, auto panels_per_pass, int i0, const uint8_t* panel, float* const* out) {
-        gemm_quant_rows<M, decltype(rows)::value, decltype(panels_per_pass)::value>(K, group, a, i0, panel,
-                                                                                    stride, out);
+  with_group(group, [&](auto group_size) {
+    constexpr int kGroup = decltype(group_size)::value;
+    if (m > kMaxDecodeRows) {
+      // 4 x 2 measured best on Zen 4 (m = 32-256, K = 2048 and 7168: INT8 x1.11-1.22, INT4
+      // x0.98-1.03 over the decode blocks; 6 x 4 and 4 x 4 lost up to x0.6 for INT4).
+      for_each_tile<4, 2>(m, npanels, [&](auto rows, auto tile_panels, int i0, int p0) {
+        gemm_quant_tile<M, kGroup, decltype(rows)::value, decltype(tile_panels)::value>(
+            K, a, i0, panels + p0 * stride, stride, c + p0 * kPanelWidth, ldc);
       });
+      return;
+    }
+    for_each_row_block(m, panels, npanels, stride, c, ldc,
+                       [&](auto rows, int i0, const uint8_t* panel, float* const* out) {
+                         gemm_quant_rows<M, kGroup, decltype(rows)::value>(K, a, i0, panel, out);
+                       });
+  });
 }
 
 }  // namespace kt::kernels::avx512

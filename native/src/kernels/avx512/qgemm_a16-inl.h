@@ -59,12 +59,11 @@ struct Int16Rows {
   }
 };
 
-template <Method M, int kRows>
-inline void gemm_a16_rows(int64_t K, int group, const Int16Rows& a, int i0, const uint8_t* panel,
-                          float* const* out) {
+template <Method M, int kGroup, int kRows>
+inline void gemm_a16_rows(int64_t K, const Int16Rows& a, int i0, const uint8_t* panel, float* const* out) {
   constexpr int kChains = kRows == 1 ? 4 : 2;  // vpdpwssd latency
-  const int64_t groups = K / group;
-  const int64_t gbytes = group_bytes(M, group), wbytes = group_weight_bytes(M, group);
+  const int64_t groups = K / kGroup;
+  const int64_t gbytes = group_bytes(M, kGroup), wbytes = group_weight_bytes(M, kGroup);
   const int64_t ahead_bytes = prefetch_distance(gbytes);
   const __m512i low_byte = _mm512_set1_epi16(0x00ff), nibble = _mm512_set1_epi16(0x000f);
   __m512 acc[kRows];
@@ -83,20 +82,20 @@ inline void gemm_a16_rows(int64_t K, int group, const Int16Rows& a, int i0, cons
     for (int i = 0; i < kRows; ++i)
       for (int u = 0; u < kChains; ++u) d[i][u] = _mm512_setzero_si512();
     const int16_t* x[kRows];
-    for (int i = 0; i < kRows; ++i) x[i] = a.q.data() + (i0 + i) * K + gi * group;
+    for (int i = 0; i < kRows; ++i) x[i] = a.q.data() + (i0 + i) * K + gi * kGroup;
     const int16_t* xk[kRows];
     auto at = [&](int k) __attribute__((always_inline)) {
       for (int i = 0; i < kRows; ++i) xk[i] = x[i] + k;
       return xk;
     };
     if constexpr (M == Method::kInt8) {
-      for (int r = 0; r < group / 4; ++r) {
+      for (int r = 0; r < kGroup / 4; ++r) {
         const __m512i v = _mm512_loadu_si512(w + r * 64);
         dot(_mm512_and_si512(v, low_byte), at(4 * r), 2 * r);    // bytes 0, 2
         dot(_mm512_srli_epi16(v, 8), at(4 * r + 2), 2 * r + 1);  // bytes 1, 3
       }
     } else {  // low nibbles: the group's first half, high nibbles: its second
-      const int half = group / 8;
+      const int half = kGroup / 8;
       for (int r = 0; r < half; ++r) {
         const __m512i v = _mm512_loadu_si512(w + r * 64);
         const int lo = 4 * r, hi = 4 * (r + half);
@@ -128,11 +127,13 @@ void gemm_quant_a16(int m, int64_t K, int group, const Bf16Rows& a, const uint8_
                     float* c, int64_t ldc) {
   thread_local Int16Rows rows;
   rows.quantize(a, m, K, group);
-  for_each_row_block(
-      m, panels, npanels, panel_bytes(M, group, K), c, ldc,
-      [&](auto rows_per_pass, auto /*one panel*/, int i0, const uint8_t* panel, float* const* out) {
-        gemm_a16_rows<M, decltype(rows_per_pass)::value>(K, group, rows, i0, panel, out);
-      });
+  with_group(group, [&](auto group_size) {
+    for_each_row_block(m, panels, npanels, panel_bytes(M, group, K), c, ldc,
+                       [&](auto rows_per_pass, int i0, const uint8_t* panel, float* const* out) {
+                         gemm_a16_rows<M, decltype(group_size)::value, decltype(rows_per_pass)::value>(
+                             K, rows, i0, panel, out);
+                       });
+  });
 }
 
 }  // namespace kt::kernels::avx512
