@@ -1,4 +1,4 @@
-"""Renders docs/architecture.png: the data flow of one MoE layer (run: python docs/architecture_diagram.py)."""
+"""Renders docs/architecture.png, the data flow of one MoE layer: python docs/architecture_diagram.py."""
 
 from pathlib import Path
 
