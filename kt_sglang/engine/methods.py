@@ -30,6 +30,7 @@ class MethodInfo:
     default_group: int
     allowed_groups: tuple[int, ...]
     int8_activations: bool
+    int8_h: bool  # the down projection reads h quantized to int8 (else bf16)
 
 
 METHODS: dict[Method, MethodInfo] = {
@@ -38,6 +39,7 @@ METHODS: dict[Method, MethodInfo] = {
         row["default_group"],
         tuple(row["allowed_groups"]),
         row["int8_activations"],
+        row["int8_h"],
     )
     for row in _native.method_table()
 }

@@ -57,7 +57,7 @@ PYBIND11_MODULE(_native, m) {
         if (g) groups.append(g);
       out.append(py::dict(py::arg("method") = t.method, py::arg("name") = t.name,
                           py::arg("default_group") = t.default_group, py::arg("allowed_groups") = groups,
-                          py::arg("int8_activations") = t.int8_activations));
+                          py::arg("int8_activations") = t.int8_activations, py::arg("int8_h") = t.int8_h));
     }
     return out;
   });

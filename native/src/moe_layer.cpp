@@ -67,7 +67,10 @@ struct MoeWorkspace {
   std::vector<char> a16;  // [E]
   struct PoolScratch {
     AlignedVector<uint8_t> h_rows;  // per row, tiled: the bf16 intermediate (every method)
-    std::vector<float> y;           // fp32 partial output [tokens, hidden padded to 16]
+    // int8_h methods: h per row quantized to int8 (tiled, same padded rows), scales and sums per group
+    AlignedVector<uint8_t> h_q;
+    std::vector<float> h_scale, h_sum;
+    std::vector<float> y;  // fp32 partial output [tokens, hidden padded to 16]
   };
   std::vector<PoolScratch> pools;
   PaddedCounter phase_counter[kMaxPools][3];
@@ -300,10 +303,11 @@ void MoeLayer::forward_task(const ForwardArgs& args, const WorkerContext& ctx) {
   const int64_t elem = quantized ? 1 : 2;  // bytes per activation value
   const int P = static_cast<int>(pools_.size());
   const bool int8 = config_.method == Method::kInt8;
+  const bool int8_h = method_traits(config_.method).int8_h;
   const GemmQuantFn gemm_q = int8 ? table_.gemm_int8 : table_.gemm_int4;
-  // A16 (quantized weights x bf16 inputs): the down projection of every quantized method, since
-  // quantizing h to int8 was most of INT8's error (0.017 -> 0.014 at groups of 64), and gate/up of
-  // the experts with many rows (ws.a16), where it runs faster than the int8-input kernel.
+  // A16 (quantized weights x bf16 inputs): the down projection of the methods that keep h in bf16
+  // (MethodTraits::int8_h), and gate/up of the experts with many rows (ws.a16), where it runs
+  // faster than the int8-input kernel.
   const GemmQuantA16Fn gemm_a16 = int8 ? table_.gemm_int8_a16 : table_.gemm_int4_a16;
 
   // Records a failure and lets every worker reach the same barriers.
@@ -384,6 +388,8 @@ void MoeLayer::forward_task(const ForwardArgs& args, const WorkerContext& ctx) {
           auto& ps = ws.pools[p];
           const int64_t slice = pools_[p]->i_end - pools_[p]->i_begin;
           grow(ps.h_rows, Rp * slice * 2);
+          if (int8_h)
+            grow(ps.h_q, Rp * slice), grow(ps.h_scale, Rp * slice / G), grow(ps.h_sum, Rp * slice / G);
           grow(ps.y, Tc * Hy);
           for (auto& c : ws.phase_counter[p]) c.value.store(0);
         }
@@ -502,6 +508,30 @@ void MoeLayer::forward_task(const ForwardArgs& args, const WorkerContext& ctx) {
     });
     ctx.pool_barrier();
 
+    // Phase 2b (int8_h methods, per pool): each row's h quantized to int8 per group, once for all
+    // the output blocks of phase 3.
+    if (int8_h && slice > 0) {
+      guarded([&] {
+        thread_local std::vector<float> row;
+        thread_local AlignedVector<uint8_t> q;
+        grow(row, slice), grow(q, slice);
+        for (int e : ws.active)
+          for (int64_t r = ws.offsets[e] + ctx.rank_in_pool; r < ws.offsets[e + 1]; r += ctx.pool_size) {
+            const int64_t pr = r + padding_before(e);
+            const uint8_t* h = tiled_row(ps.h_rows.data(), pr, slice * 2);
+            for (int64_t c = 0; c < slice * 2 / kChunkBytes; ++c) {
+              const auto* chunk = reinterpret_cast<const uint16_t*>(h + c * kTiledChunkStride);
+              for (int j = 0; j < kChunkBytes / 2; ++j)
+                row[c * (kChunkBytes / 2) + j] = bf16_to_float(chunk[j]);
+            }
+            quantize_activation_row(row.data(), slice, G, reinterpret_cast<int8_t*>(q.data()),
+                                    ps.h_scale.data() + pr * (slice / G), ps.h_sum.data() + pr * (slice / G));
+            store_tiled(tiled_row(ps.h_q.data(), pr, slice), 0, q.data(), slice);
+          }
+      });
+      ctx.pool_barrier();
+    }
+
     // Phase 3 (per pool): y[token, block] += weight * (h Wd^T)[block], one block of output
     // channels for every expert, so no two workers write the same element.
     guarded([&] {
@@ -522,11 +552,24 @@ void MoeLayer::forward_task(const ForwardArgs& args, const WorkerContext& ctx) {
           const int64_t step = rows_per_call(ws.counts[e]);
           for (int64_t r0 = ws.offsets[e]; r0 < ws.offsets[e + 1]; r0 += step) {
             const int m = static_cast<int>(std::min<int64_t>(step, ws.offsets[e + 1] - r0));
-            point_rows(e, r0, m, ps.h_rows.data(), slice * 2);
-            if (quantized)
+            if (int8_h) {
+              point_rows(e, r0, m, ps.h_q.data(), slice);
+              for (int i = 0; i < m; ++i) {
+                const int64_t pr = r0 + i + padding_before(e);
+                ptr_s[i] = ps.h_scale.data() + pr * (slice / G),
+                ptr_m[i] = ps.h_sum.data() + pr * (slice / G);
+              }
+              const QuantRows h{reinterpret_cast<const int8_t* const*>(ptr_a.data()), kTiledChunkStride,
+                                reinterpret_cast<const float* const*>(ptr_s.data()),
+                                reinterpret_cast<const float* const*>(ptr_m.data())};
+              gemm_q(m, slice, G, h, w, npan, c_buf.data(), ldc);
+            } else if (quantized) {
+              point_rows(e, r0, m, ps.h_rows.data(), slice * 2);
               gemm_a16(m, slice, G, bf16_rows, w, npan, c_buf.data(), ldc);
-            else
+            } else {
+              point_rows(e, r0, m, ps.h_rows.data(), slice * 2);
               table_.gemm_bf16(m, slice, bf16_rows, w, npan, c_buf.data(), ldc);
+            }
             for (int i = 0; i < m; ++i) {
               const float wt = ws.row_weight[r0 + i];
               float* y = ps.y.data() + ws.row_token[r0 + i] * Hy + p0 * kPanelWidth;
