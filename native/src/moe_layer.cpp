@@ -5,6 +5,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "kernels/activations.h"
 #include "kt/aligned_vector.h"
 #include "kt/packing.h"
 #include "kt/thread_scratch.h"
@@ -518,12 +519,10 @@ void MoeLayer::forward_task(const ForwardArgs& args, const WorkerContext& ctx) {
         for (int e : ws.active)
           for (int64_t r = ws.offsets[e] + ctx.rank_in_pool; r < ws.offsets[e + 1]; r += ctx.pool_size) {
             const int64_t pr = r + padding_before(e);
-            const uint8_t* h = tiled_row(ps.h_rows.data(), pr, slice * 2);
-            for (int64_t c = 0; c < slice * 2 / kChunkBytes; ++c) {
-              const auto* chunk = reinterpret_cast<const uint16_t*>(h + c * kTiledChunkStride);
-              for (int j = 0; j < kChunkBytes / 2; ++j)
-                row[c * (kChunkBytes / 2) + j] = bf16_to_float(chunk[j]);
-            }
+            const uint16_t* h_row[1] = {
+                reinterpret_cast<const uint16_t*>(tiled_row(ps.h_rows.data(), pr, slice * 2))};
+            const Bf16Rows h{h_row, kTiledChunkStride};
+            for (int64_t k = 0; k < slice; ++k) row[k] = bf16_to_float(*kernels::bf16_at(h, 0, k));
             quantize_activation_row(row.data(), slice, G, reinterpret_cast<int8_t*>(q.data()),
                                     ps.h_scale.data() + pr * (slice / G), ps.h_sum.data() + pr * (slice / G));
             store_tiled(tiled_row(ps.h_q.data(), pr, slice), 0, q.data(), slice);

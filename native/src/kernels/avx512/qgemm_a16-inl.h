@@ -16,6 +16,7 @@
 
 #include "../activations.h"
 #include "../epilogue.h"
+#include "qgemm-inl.h"
 #include "row_blocks-inl.h"
 
 namespace kt::kernels::avx512 {
@@ -105,11 +106,7 @@ inline void gemm_a16_rows(int64_t K, const Int16Rows& a, int i0, const uint8_t* 
         dot(_mm512_srli_epi16(v, 12), at(hi + 2), 3);
       }
     }
-    const __m512 ws = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + wbytes)));
-    const __m512 wm =
-        M == Method::kInt8
-            ? _mm512_mul_ps(ws, _mm512_set1_ps(-128.0f))
-            : _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + wbytes + 32)));
+    const auto [ws, wm] = group_scales<M>(w + wbytes);
     for (int i = 0; i < kRows; ++i) {
       __m512i dsum = d[i][0];
       for (int u = 1; u < kChains; ++u) dsum = _mm512_add_epi32(dsum, d[i][u]);
