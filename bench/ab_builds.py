@@ -52,6 +52,7 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=15, help="timed calls per build")
     p.add_argument("--copies", type=int, default=1, help="weight copies per build, cycled (decode: ~8)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--isa", help="kernel family (scalar, avx2, avx512, amx; default: the best here)")
     args = p.parse_args()
 
     H, I, E, k = LAYERS[args.layer]
@@ -82,7 +83,7 @@ def main() -> None:
                 I,
                 getattr(native.Method, args.method),
                 group,
-                native.best_isa(),
+                args.isa or native.best_isa(),
                 4096,
             )
             layer.load_dense(gate.data_ptr(), up.data_ptr(), down.data_ptr(), native.DType.bfloat16, E, [])
@@ -113,7 +114,7 @@ def main() -> None:
     for b in builds:
         m = statistics.median(times[b["path"]])
         print(
-            f"{args.layer} {args.method} T={T} {b['path']}: "
+            f"{args.layer} {args.method} T={T} {args.isa or native.best_isa()} {b['path']}: "
             f"{m * 1e3:.2f} ms, {T / m:.0f} tok/s, x{base / m:.3f}"
         )
 

@@ -1,5 +1,7 @@
-// AVX2 quantized weights x bf16 activations: the AVX-512 A16 scheme on 8-channel halves of a
-// panel, one row of A per pass (see ../avx512/qgemm_a16-inl.h).
+// AVX2 quantized weights x bf16 activations: the AVX-512 A16 scheme (../avx512/qgemm_a16-inl.h)
+// with vpmaddwd + vpaddd for vpdpwssd, on tiles of up to kTileRows rows x one panel (two halves of
+// 8 channels). The activations are requantized to int16 per (row, group) once per call; the
+// weights are widened to 16 bits by a mask or a shift, once per tile for all of its rows.
 #pragma once
 
 #include <immintrin.h>
@@ -8,72 +10,123 @@
 
 #include "../activations.h"
 #include "../epilogue.h"
+#include "../tiles.h"
+#include "qgemm-inl.h"
 
 namespace kt::kernels::avx2 {
 
-// Byte j of every 32-bit lane as fp32, sign-extended or not.
-template <int j, bool kSigned>
-inline __m256 lane_byte_ps(__m256i v) {
-  if constexpr (kSigned) {
-    const __m256i up = j == 3 ? v : _mm256_slli_epi32(v, 24 - 8 * j);
-    return _mm256_cvtepi32_ps(_mm256_srai_epi32(up, 24));
-  } else {
-    const __m256i down = j == 0 ? v : _mm256_srli_epi32(v, 8 * j);
-    return _mm256_cvtepi32_ps(j == 3 ? down : _mm256_and_si256(down, _mm256_set1_epi32(0xff)));
+// Rows of A as int16 per (row, group), K-values of each 4 in the order (0, 2, 1, 3); the same
+// values as the AVX-512 path's.
+struct Int16Rows {
+  std::vector<int16_t> q;                // [m][K]
+  std::vector<float> scale, scaled_sum;  // [m][K / group]
+  void quantize(const Bf16Rows& a, int m, int64_t K, int group) {
+    const int64_t groups = K / group;
+    if (q.size() < static_cast<size_t>(m * K)) q.resize(m * K);
+    if (scale.size() < static_cast<size_t>(m * groups))
+      scale.resize(m * groups), scaled_sum.resize(m * groups);
+    const __m128i order = _mm_setr_epi8(0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15);
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    auto load8 = [&](int i, int64_t k) {  // 8 bf16 values as fp32
+      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bf16_at(a, i, k)));
+      return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    };
+    for (int i = 0; i < m; ++i)
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t k0 = g * group;
+        __m256 amax = _mm256_setzero_ps();
+        for (int v = 0; v < group; v += 8)
+          amax = _mm256_max_ps(amax, _mm256_and_ps(load8(i, k0 + v), magnitude));
+        __m128 top4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        top4 = _mm_max_ps(top4, _mm_movehl_ps(top4, top4));
+        const float top = _mm_cvtss_f32(_mm_max_ss(top4, _mm_movehdup_ps(top4)));
+        const __m256 inv = _mm256_set1_ps(top > 0.0f ? 32767.0f / top : 0.0f);
+        __m256i sum = _mm256_setzero_si256();
+        int16_t* out = q.data() + i * K + k0;
+        for (int v = 0; v < group; v += 8) {
+          const __m256i qi = _mm256_cvtps_epi32(_mm256_mul_ps(load8(i, k0 + v), inv));  // nearest even
+          sum = _mm256_add_epi32(sum, qi);
+          const __m128i q16 = _mm_packs_epi32(_mm256_castsi256_si128(qi), _mm256_extracti128_si256(qi, 1));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(out + v), _mm_shuffle_epi8(q16, order));
+        }
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+        const float s = top / 32767.0f;
+        scale[i * groups + g] = s;
+        scaled_sum[i * groups + g] = s * static_cast<float>(_mm_cvtsi128_si32(s4));
+      }
+  }
+};
+
+template <Method M, int kGroup, int kRows>
+inline void gemm_a16_tile(int64_t K, const Int16Rows& a, int i0, const uint8_t* panel, float* c,
+                          int64_t ldc) {
+  constexpr int64_t groups_bytes = group_bytes(M, kGroup), wbytes = group_weight_bytes(M, kGroup);
+  const int64_t groups = K / kGroup;
+  const __m256i low_byte = _mm256_set1_epi16(0x00ff), nibble = _mm256_set1_epi16(0x000f);
+  for (int64_t gi = 0; gi < groups; ++gi) {
+    const uint8_t* w = panel + gi * groups_bytes;
+    __m256i d[kRows][2];
+    for (int i = 0; i < kRows; ++i) d[i][0] = d[i][1] = _mm256_setzero_si256();
+    const int16_t* x[kRows];
+    for (int i = 0; i < kRows; ++i) x[i] = a.q.data() + (i0 + i) * K + gi * kGroup;
+    // Adds the 16-bit weights wv of half h (2 K-values per lane) times each row's pair at x + k.
+    auto dot = [&](int h, __m256i wv, int k) __attribute__((always_inline)) {
+      for (int i = 0; i < kRows; ++i)
+        d[i][h] = _mm256_add_epi32(
+            d[i][h], _mm256_madd_epi16(wv, _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(x[i] + k))));
+    };
+    for (int h = 0; h < 2; ++h) {
+      if constexpr (M == Method::kInt8) {
+        for (int r = 0; r < kGroup / 4; ++r) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * 64 + 32 * h));
+          dot(h, _mm256_and_si256(v, low_byte), 4 * r);  // bytes 0, 2
+          dot(h, _mm256_srli_epi16(v, 8), 4 * r + 2);    // bytes 1, 3
+        }
+      } else {  // low nibbles: the group's first half, high nibbles: its second
+        constexpr int half = kGroup / 8;
+        for (int r = 0; r < half; ++r) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * 64 + 32 * h));
+          const int lo = 4 * r, hi = 4 * (r + half);
+          dot(h, _mm256_and_si256(v, nibble), lo);
+          dot(h, _mm256_and_si256(_mm256_srli_epi16(v, 8), nibble), lo + 2);
+          dot(h, _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble), hi);
+          dot(h, _mm256_srli_epi16(v, 12), hi + 2);
+        }
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      const __m256 ws =
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + wbytes + 16 * h)));
+      const __m256 wm =
+          M == Method::kInt8
+              ? _mm256_mul_ps(ws, _mm256_set1_ps(-128.0f))
+              : _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + wbytes + 32 + 16 * h)));
+      for (int i = 0; i < kRows; ++i) {
+        const int64_t s = (i0 + i) * groups + gi;
+        float* out = c + (i0 + i) * ldc + 8 * h;
+        const __m256 sum = _mm256_fmadd_ps(wm, _mm256_set1_ps(a.scaled_sum[s]),
+                                           gi == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(out));
+        _mm256_storeu_ps(out, _mm256_fmadd_ps(_mm256_cvtepi32_ps(d[i][h]),
+                                              _mm256_mul_ps(ws, _mm256_set1_ps(a.scale[s])), sum));
+      }
+    }
   }
 }
 
 template <Method M>
 void gemm_quant_a16(int m, int64_t K, int group, const Bf16Rows& a, const uint8_t* panels, int npanels,
                     float* c, int64_t ldc) {
-  constexpr bool kSigned = M == Method::kInt8;
-  const int64_t pbytes = panel_bytes(M, group, K);
-  const int64_t gbytes = group_bytes(M, group), wbytes = group_weight_bytes(M, group);
-  const __m256i nibble = _mm256_set1_epi8(0x0f), sign = _mm256_set1_epi8(static_cast<char>(0x80));
-  thread_local std::vector<float> hf, hs;
-  if (hf.size() < static_cast<size_t>(K)) hf.resize(K);
-  if (hs.size() < static_cast<size_t>(K / group)) hs.resize(K / group);
-  for (int i = 0; i < m; ++i) {
-    bf16_row_to_float(a, i, K, group, hf.data(), hs.data());
-    for (int p = 0; p < npanels; ++p) {
-      const uint8_t* panel = panels + p * pbytes;
-      for (int half = 0; half < 2; ++half) {
-        __m256 acc = _mm256_setzero_ps();
-        for (int64_t gi = 0; gi < K / group; ++gi) {
-          const uint8_t* w = panel + gi * gbytes;
-          const float* h = hf.data() + gi * group;
-          __m256 d[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-          auto row = [&](__m256i v, int r) {  // VNNI row r of the group: K-values 4r .. 4r + 3
-            if constexpr (kSigned) v = _mm256_xor_si256(v, sign);
-            d[0] = _mm256_fmadd_ps(lane_byte_ps<0, kSigned>(v), _mm256_set1_ps(h[4 * r]), d[0]);
-            d[1] = _mm256_fmadd_ps(lane_byte_ps<1, kSigned>(v), _mm256_set1_ps(h[4 * r + 1]), d[1]);
-            d[0] = _mm256_fmadd_ps(lane_byte_ps<2, kSigned>(v), _mm256_set1_ps(h[4 * r + 2]), d[0]);
-            d[1] = _mm256_fmadd_ps(lane_byte_ps<3, kSigned>(v), _mm256_set1_ps(h[4 * r + 3]), d[1]);
-          };
-          if constexpr (M == Method::kInt8) {
-            for (int r = 0; r < group / 4; ++r)
-              row(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * 64 + half * 32)), r);
-          } else {
-            const int rows = group / 8;
-            for (int r = 0; r < rows; ++r) {
-              const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * 64 + half * 32));
-              row(_mm256_and_si256(v, nibble), r);
-              row(_mm256_and_si256(_mm256_srli_epi16(v, 4), nibble), r + rows);
-            }
-          }
-          const __m256 ws =
-              _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + wbytes + 16 * half)));
-          acc = _mm256_fmadd_ps(_mm256_add_ps(d[0], d[1]), ws, acc);
-          if constexpr (M == Method::kInt4) {
-            const __m256 wm = _mm256_cvtph_ps(
-                _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + wbytes + 32 + 16 * half)));
-            acc = _mm256_fmadd_ps(wm, _mm256_set1_ps(hs[gi]), acc);
-          }
-        }
-        _mm256_storeu_ps(c + i * ldc + p * kPanelWidth + 8 * half, acc);
-      }
-    }
-  }
+  thread_local Int16Rows rows;
+  rows.quantize(a, m, K, group);
+  const int64_t stride = panel_bytes(M, group, K);
+  with_group(group, [&](auto group_size) {
+    for_each_tile<kTileRows, 1>(m, npanels, [&](auto tile_rows, auto, int i0, int p) {
+      gemm_a16_tile<M, decltype(group_size)::value, decltype(tile_rows)::value>(
+          K, rows, i0, panels + p * stride, c + p * kPanelWidth, ldc);
+    });
+  });
 }
 
 }  // namespace kt::kernels::avx2
