@@ -62,11 +62,11 @@ struct Int16Rows {
 template <Method M, int kGroup, int kRows>
 inline void gemm_a16_tile(int64_t K, const Int16Rows& a, int i0, const uint8_t* panel, float* c,
                           int64_t ldc) {
-  constexpr int64_t groups_bytes = group_bytes(M, kGroup), wbytes = group_weight_bytes(M, kGroup);
+  constexpr int64_t gbytes = group_bytes(M, kGroup), wbytes = group_weight_bytes(M, kGroup);
   const int64_t groups = K / kGroup;
   const __m256i low_byte = _mm256_set1_epi16(0x00ff), nibble = _mm256_set1_epi16(0x000f);
   for (int64_t gi = 0; gi < groups; ++gi) {
-    const uint8_t* w = panel + gi * groups_bytes;
+    const uint8_t* w = panel + gi * gbytes;
     __m256i d[kRows][2];
     for (int i = 0; i < kRows; ++i) d[i][0] = d[i][1] = _mm256_setzero_si256();
     const int16_t* x[kRows];
