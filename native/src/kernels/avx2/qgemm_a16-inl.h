@@ -10,54 +10,50 @@
 
 #include "../activations.h"
 #include "../epilogue.h"
+#include "../int16_rows.h"
 #include "../tiles.h"
 #include "qgemm-inl.h"
 
 namespace kt::kernels::avx2 {
 
-// Rows of A as int16 per (row, group), K-values of each 4 in the order (0, 2, 1, 3); the same
-// values as the AVX-512 path's.
-struct Int16Rows {
-  std::vector<int16_t> q;                // [m][K]
-  std::vector<float> scale, scaled_sum;  // [m][K / group]
-  void quantize(const Bf16Rows& a, int m, int64_t K, int group) {
-    const int64_t groups = K / group;
-    if (q.size() < static_cast<size_t>(m * K)) q.resize(m * K);
-    if (scale.size() < static_cast<size_t>(m * groups))
-      scale.resize(m * groups), scaled_sum.resize(m * groups);
-    const __m128i order = _mm_setr_epi8(0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15);
-    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    auto load8 = [&](int i, int64_t k) {  // 8 bf16 values as fp32
-      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bf16_at(a, i, k)));
-      return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-    };
-    for (int i = 0; i < m; ++i)
-      for (int64_t g = 0; g < groups; ++g) {
-        const int64_t k0 = g * group;
-        __m256 amax = _mm256_setzero_ps();
-        for (int v = 0; v < group; v += 8)
-          amax = _mm256_max_ps(amax, _mm256_and_ps(load8(i, k0 + v), magnitude));
-        __m128 top4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-        top4 = _mm_max_ps(top4, _mm_movehl_ps(top4, top4));
-        const float top = _mm_cvtss_f32(_mm_max_ss(top4, _mm_movehdup_ps(top4)));
-        const __m256 inv = _mm256_set1_ps(top > 0.0f ? 32767.0f / top : 0.0f);
-        __m256i sum = _mm256_setzero_si256();
-        int16_t* out = q.data() + i * K + k0;
-        for (int v = 0; v < group; v += 8) {
-          const __m256i qi = _mm256_cvtps_epi32(_mm256_mul_ps(load8(i, k0 + v), inv));  // nearest even
-          sum = _mm256_add_epi32(sum, qi);
-          const __m128i q16 = _mm_packs_epi32(_mm256_castsi256_si128(qi), _mm256_extracti128_si256(qi, 1));
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(out + v), _mm_shuffle_epi8(q16, order));
-        }
-        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
-        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
-        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
-        const float s = top / 32767.0f;
-        scale[i * groups + g] = s;
-        scaled_sum[i * groups + g] = s * static_cast<float>(_mm_cvtsi128_si32(s4));
+using Int16Rows = kernels::Int16Rows<struct Avx2Family>;
+
+// Fills `rows` (../int16_rows.h) from m rows of A; the same values as the AVX-512 path's.
+inline void quantize_int16_rows(Int16Rows& rows, const Bf16Rows& a, int m, int64_t K, int group) {
+  const int64_t groups = K / group;
+  rows.reserve(m, K, groups);
+  const __m128i order = _mm_setr_epi8(0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15);
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  auto load8 = [&](int i, int64_t k) {  // 8 bf16 values as fp32
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bf16_at(a, i, k)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  };
+  for (int i = 0; i < m; ++i)
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t k0 = g * group;
+      __m256 amax = _mm256_setzero_ps();
+      for (int v = 0; v < group; v += 8)
+        amax = _mm256_max_ps(amax, _mm256_and_ps(load8(i, k0 + v), magnitude));
+      __m128 top4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+      top4 = _mm_max_ps(top4, _mm_movehl_ps(top4, top4));
+      const float top = _mm_cvtss_f32(_mm_max_ss(top4, _mm_movehdup_ps(top4)));
+      const __m256 inv = _mm256_set1_ps(top > 0.0f ? 32767.0f / top : 0.0f);
+      __m256i sum = _mm256_setzero_si256();
+      int16_t* out = rows.q.data() + i * K + k0;
+      for (int v = 0; v < group; v += 8) {
+        const __m256i qi = _mm256_cvtps_epi32(_mm256_mul_ps(load8(i, k0 + v), inv));  // nearest even
+        sum = _mm256_add_epi32(sum, qi);
+        const __m128i q16 = _mm_packs_epi32(_mm256_castsi256_si128(qi), _mm256_extracti128_si256(qi, 1));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + v), _mm_shuffle_epi8(q16, order));
       }
-  }
-};
+      __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+      const float s = top / 32767.0f;
+      rows.scale[i * groups + g] = s;
+      rows.scaled_sum[i * groups + g] = s * static_cast<float>(_mm_cvtsi128_si32(s4));
+    }
+}
 
 template <Method M, int kGroup, int kRows>
 inline void gemm_a16_tile(int64_t K, const Int16Rows& a, int i0, const uint8_t* panel, float* c,
@@ -119,7 +115,7 @@ template <Method M>
 void gemm_quant_a16(int m, int64_t K, int group, const Bf16Rows& a, const uint8_t* panels, int npanels,
                     float* c, int64_t ldc) {
   thread_local Int16Rows rows;
-  rows.quantize(a, m, K, group);
+  quantize_int16_rows(rows, a, m, K, group);
   const int64_t stride = panel_bytes(M, group, K);
   with_group(group, [&](auto group_size) {
     for_each_tile<kTileRows, 1>(m, npanels, [&](auto tile_rows, auto, int i0, int p) {

@@ -16,49 +16,46 @@
 
 #include "../activations.h"
 #include "../epilogue.h"
+#include "../int16_rows.h"
 #include "qgemm-inl.h"
 #include "row_blocks-inl.h"
 
 namespace kt::kernels::avx512 {
 
-// Rows of A as int16 per (row, group), K-values of each 4 in the order (0, 2, 1, 3).
-struct Int16Rows {
-  std::vector<int16_t> q;                // [m][K]
-  std::vector<float> scale, scaled_sum;  // [m][K / group]
-  void quantize(const Bf16Rows& a, int m, int64_t K, int group) {
-    const int64_t groups = K / group;
-    if (q.size() < static_cast<size_t>(m * K)) q.resize(m * K);
-    if (scale.size() < static_cast<size_t>(m * groups))
-      scale.resize(m * groups), scaled_sum.resize(m * groups);
-    // Within each 8 bytes (4 int16), the order (0, 2, 1, 3).
-    const __m256i order =
-        _mm256_broadcastsi128_si256(_mm_setr_epi8(0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15));
-    for (int i = 0; i < m; ++i)
-      for (int64_t g = 0; g < groups; ++g) {
-        __m512 x[8];  // groups hold at most 128 K-values
-        __m512 amax = _mm512_setzero_ps();
-        for (int v = 0; v < group / 16; ++v) {
-          const __m256i h =
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bf16_at(a, i, g * group + 16 * v)));
-          x[v] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-          amax = _mm512_max_ps(amax, _mm512_abs_ps(x[v]));
-        }
-        const float top = _mm512_reduce_max_ps(amax);
-        const __m512 inv = _mm512_set1_ps(top > 0.0f ? 32767.0f / top : 0.0f);
-        __m512i sum = _mm512_setzero_si512();
-        int16_t* out = q.data() + i * K + g * group;
-        for (int v = 0; v < group / 16; ++v) {
-          const __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(x[v], inv));  // nearest even
-          sum = _mm512_add_epi32(sum, qi);
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16 * v),
-                              _mm256_shuffle_epi8(_mm512_cvtsepi32_epi16(qi), order));
-        }
-        const float s = top / 32767.0f;
-        scale[i * groups + g] = s,
-                           scaled_sum[i * groups + g] = s * static_cast<float>(_mm512_reduce_add_epi32(sum));
+using Int16Rows = kernels::Int16Rows<struct Avx512Family>;
+
+// Fills `rows` (../int16_rows.h) from m rows of A.
+inline void quantize_int16_rows(Int16Rows& rows, const Bf16Rows& a, int m, int64_t K, int group) {
+  const int64_t groups = K / group;
+  rows.reserve(m, K, groups);
+  // Within each 8 bytes (4 int16), the order (0, 2, 1, 3).
+  const __m256i order =
+      _mm256_broadcastsi128_si256(_mm_setr_epi8(0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15));
+  for (int i = 0; i < m; ++i)
+    for (int64_t g = 0; g < groups; ++g) {
+      __m512 x[8];  // groups hold at most 128 K-values
+      __m512 amax = _mm512_setzero_ps();
+      for (int v = 0; v < group / 16; ++v) {
+        const __m256i h =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bf16_at(a, i, g * group + 16 * v)));
+        x[v] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+        amax = _mm512_max_ps(amax, _mm512_abs_ps(x[v]));
       }
-  }
-};
+      const float top = _mm512_reduce_max_ps(amax);
+      const __m512 inv = _mm512_set1_ps(top > 0.0f ? 32767.0f / top : 0.0f);
+      __m512i sum = _mm512_setzero_si512();
+      int16_t* out = rows.q.data() + i * K + g * group;
+      for (int v = 0; v < group / 16; ++v) {
+        const __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(x[v], inv));  // nearest even
+        sum = _mm512_add_epi32(sum, qi);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16 * v),
+                            _mm256_shuffle_epi8(_mm512_cvtsepi32_epi16(qi), order));
+      }
+      const float s = top / 32767.0f;
+      rows.scale[i * groups + g] = s, rows.scaled_sum[i * groups + g] =
+                                          s * static_cast<float>(_mm512_reduce_add_epi32(sum));
+    }
+}
 
 template <Method M, int kGroup, int kRows>
 inline void gemm_a16_rows(int64_t K, const Int16Rows& a, int i0, const uint8_t* panel, float* const* out) {
@@ -123,7 +120,7 @@ template <Method M>
 void gemm_quant_a16(int m, int64_t K, int group, const Bf16Rows& a, const uint8_t* panels, int npanels,
                     float* c, int64_t ldc) {
   thread_local Int16Rows rows;
-  rows.quantize(a, m, K, group);
+  quantize_int16_rows(rows, a, m, K, group);
   with_group(group, [&](auto group_size) {
     for_each_row_block(m, panels, npanels, panel_bytes(M, group, K), c, ldc,
                        [&](auto rows_per_pass, int i0, const uint8_t* panel, float* const* out) {
