@@ -115,9 +115,11 @@ def test_group_sizes_agree_across_isas(method, group_size, isa):
 
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("threads,pools,numa_nodes", [(1, 1, None), (2, 1, None), (2, 2, [0, 0])])
-def test_threads_and_pools_agree(method, threads, pools, numa_nodes):
-    """Pools split the intermediate dimension; any split gives the same result up to rounding."""
-    E, k, H, I, T = 16, 4, 512, 704, 70
+@pytest.mark.parametrize("T", [70, 6], ids=["outputs-per-pool", "outputs-per-worker"])
+def test_threads_and_pools_agree(method, threads, pools, numa_nodes, T):
+    """Pools split the intermediate dimension; any split gives the same result up to rounding.
+    Batches of at most 32 tokens sum one partial output per worker instead of one per pool."""
+    E, k, H, I = 16, 4, 512, 704
     gate, up, down = make_weights(E, I, H, seed=5)
     ids, weights = make_routing(T, E, k)
     x = make_hidden(T, H)
@@ -139,6 +141,25 @@ def test_threads_and_pools_agree(method, threads, pools, numa_nodes):
     SharedRunner.reset()  # the process-wide pools are fixed by the first layer; start others
     single = run_layer(method, None, gate, up, down, x, ids, weights, threads=1, pools=1)
     assert relative_error(out, single) <= 2e-3
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("T", [3, 40])
+def test_expert_named_twice_and_an_empty_pool(method, T):
+    """A token may name one expert in two slots (both count). With one block of intermediate
+    channels for two pools one pool owns none of them and must add nothing, even though its
+    workers' scratch holds a previous layer's sums (layers share it), on both output paths."""
+    E, k, H = 4, 3, 256
+    ids, weights = make_routing(T, E, k, seed=8)
+    ids[:, 1] = ids[:, 0]
+    x = make_hidden(T, H)
+    for idx, I in enumerate([128, 64]):  # the first layer leaves partial sums in both pools
+        gate, up, down = make_weights(E, I, H, seed=8 + idx)
+        layer = KTMoEWrapper(idx, E, k, H, I, None, 2, 2, method=method, numa_nodes=[0, 0])
+        layer.load_weights_from_tensors(gate.bfloat16(), up.bfloat16(), down.bfloat16())
+        out = layer.forward(x, ids, weights)
+        assert relative_error(out, moe_reference(x, gate, up, down, ids, weights)) <= BOUNDS[method]
+    assert sorted(end - begin for begin, end in layer._layer.pool_slices) == [0, I]
 
 
 @pytest.mark.parametrize("method", METHODS)

@@ -25,6 +25,10 @@ constexpr int kMaxDownPanels = 32;  // ... at most 32 x 16; each item reads ever
 constexpr int kMaxGateUpBlocks = 8;          // blocks of intermediate channels per gate/up item ...
 constexpr int kMinGateUpItemsPerWorker = 8;  // ... while each worker still gets at least 8 items
 constexpr int kDownItemsPerWorker = 2;
+// Chunks of at most this many tokens give each worker a partial output of its own (phase 3), so
+// that down items can be long runs of one expert's weights, at most kMaxRunPanels x 16 channels.
+constexpr int64_t kMaxWorkerYTokens = 32;
+constexpr int64_t kMaxRunPanels = 128;
 constexpr int kMaxPools = 64;
 
 template <class Vector>
@@ -50,6 +54,25 @@ void for_each_item(std::atomic<int64_t>& counter, int64_t n, F&& body) {
   for (int64_t i = counter.fetch_add(1, std::memory_order_relaxed); i < n;
        i = counter.fetch_add(1, std::memory_order_relaxed))
     body(i);
+}
+
+// Takes ranges of [0, n) from a shared cursor until none is left, each `size(left)` long (clipped
+// to what is left), so that they can narrow as the work runs out.
+template <class Size, class F>
+void for_each_range(std::atomic<int64_t>& cursor, int64_t n, Size&& size, F&& body) {
+  for (int64_t begin = cursor.load(std::memory_order_relaxed); begin < n;) {
+    const int64_t len = std::clamp<int64_t>(size(n - begin), 1, n - begin);
+    if (cursor.compare_exchange_weak(begin, begin + len, std::memory_order_relaxed)) {
+      body(begin, len);
+      begin = cursor.load(std::memory_order_relaxed);
+    }
+  }
+}
+
+// The first row r >= begin with r % workers == rank. Rows are dealt round-robin by their index over
+// all experts: dealt per expert, the 8 one-row experts of a decode step all went to worker 0.
+int64_t first_row_of(int64_t begin, int rank, int workers) {
+  return begin + ((rank - begin) % workers + workers) % workers;
 }
 
 }  // namespace
@@ -81,6 +104,9 @@ struct MoeWorkspace {
     std::vector<float> y;  // fp32 partial output [tokens, hidden padded to 16]
   };
   std::vector<PoolScratch> pools;
+  // Small chunks (kMaxWorkerYTokens): the partial outputs are per worker instead of per pool.
+  bool y_per_worker = false;
+  std::vector<std::vector<float>> worker_y;  // [threads][tokens, hidden padded to 16]
   PaddedCounter phase_counter[kMaxPools][3];
   PaddedCounter load_counter;
 };
@@ -398,8 +424,13 @@ void MoeLayer::forward_task(const ForwardArgs& args, const WorkerContext& ctx) {
           grow(ps.h_rows, Rp * slice * 2);
           if (int8_h)
             grow(ps.h_q, Rp * slice), grow(ps.h_scale, Rp * slice / G), grow(ps.h_sum, Rp * slice / G);
-          grow(ps.y, Tc * Hy);
+          if (Tc > kMaxWorkerYTokens) grow(ps.y, Tc * Hy);
           for (auto& c : ws.phase_counter[p]) c.value.store(0);
+        }
+        ws.y_per_worker = Tc <= kMaxWorkerYTokens;
+        if (ws.y_per_worker) {
+          grow(ws.worker_y, static_cast<size_t>(ctx.num_threads));
+          for (auto& y : ws.worker_y) grow(y, Tc * Hy);
         }
         ws.bad_routing = false;
       });
@@ -421,7 +452,8 @@ void MoeLayer::forward_task(const ForwardArgs& args, const WorkerContext& ctx) {
           quantize_activation_row(row.data(), Hp, G, ws.x_q.data() + t * Hp, ws.x_scale.data() + t * (Hp / G),
                                   ws.x_sum.data() + t * (Hp / G));
         }
-        for (int p = 0; p < P; ++p) std::fill_n(ws.pools[p].y.data() + t * Hy, Hy, 0.0f);
+        if (!ws.y_per_worker)
+          for (int p = 0; p < P; ++p) std::fill_n(ws.pools[p].y.data() + t * Hy, Hy, 0.0f);
       }
     });
     ctx.barrier();
@@ -431,7 +463,8 @@ void MoeLayer::forward_task(const ForwardArgs& args, const WorkerContext& ctx) {
       grow(padded, Hp);
       const int64_t H_whole = H / (kChunkBytes / 2) * (kChunkBytes / 2);  // bf16 values in whole chunks
       for (int e : ws.active) {
-        for (int64_t r = ws.offsets[e] + ctx.tid; r < ws.offsets[e + 1]; r += ctx.num_threads) {
+        for (int64_t r = first_row_of(ws.offsets[e], ctx.tid, ctx.num_threads); r < ws.offsets[e + 1];
+             r += ctx.num_threads) {
           const int64_t t = ws.row_token[r];
           if (quantized && !ws.a16[e]) {
             store_tiled(tiled_row(ws.x_rows.data(), r + padding_before(e), Hp), 0, ws.x_q.data() + t * Hp,
@@ -533,7 +566,8 @@ void MoeLayer::forward_task(const ForwardArgs& args, const WorkerContext& ctx) {
         thread_local AlignedVector<uint8_t> q;
         grow(row, slice), grow(q, slice);
         for (int e : ws.active)
-          for (int64_t r = ws.offsets[e] + ctx.rank_in_pool; r < ws.offsets[e + 1]; r += ctx.pool_size) {
+          for (int64_t r = first_row_of(ws.offsets[e], ctx.rank_in_pool, ctx.pool_size);
+               r < ws.offsets[e + 1]; r += ctx.pool_size) {
             const int64_t pr = r + padding_before(e);
             const uint16_t* h_row[1] = {
                 reinterpret_cast<const uint16_t*>(tiled_row(ps.h_rows.data(), pr, slice * 2))};
@@ -547,62 +581,88 @@ void MoeLayer::forward_task(const ForwardArgs& args, const WorkerContext& ctx) {
       ctx.pool_barrier();
     }
 
-    // Phase 3 (per pool): y[token, block] += weight * (h Wd^T)[block], one block of output
-    // channels for every expert, so no two workers write the same element.
+    // Phase 3 (per pool): y[token] += weight * (h Wd^T) for every row. Large chunks: items are
+    // blocks of output panels over every expert, so no two workers write the same element of the
+    // pool's y. Small chunks (worker_y): items are runs of (expert, panel) pairs, each worker adding
+    // into a y of its own, so that one item can read an expert's whole slice in one contiguous run.
     guarded([&] {
+      if (ws.y_per_worker) std::fill_n(ws.worker_y[ctx.tid].data(), Tc * Hy, 0.0f);  // summed in phase 4
       if (slice == 0) return;
       const int64_t down_panel = panel_bytes(config_.method, G, slice);
       const int64_t panels = Hy / kPanelWidth;
-      // Few, wide items (h is re-read per item, and each expert's run of weights is longer).
-      const int per_item = static_cast<int>(std::clamp<int64_t>(
-          panels / (kDownItemsPerWorker * ctx.pool_size), kMinDownPanels, kMaxDownPanels));
-      const int64_t blocks = (panels + per_item - 1) / per_item;
-      const int ldc = per_item * kPanelWidth;
-      grow(c_buf, kRowChunk * ldc);
-      for_each_item(ws.phase_counter[ctx.pool][1].value, blocks, [&](int64_t b) {
-        const int64_t p0 = b * per_item;
-        const int npan = static_cast<int>(std::min<int64_t>(per_item, panels - p0));
-        for (int e : ws.active) {
-          const uint8_t* w = pw.down + e * pw.down_bytes + p0 * down_panel;
-          const int64_t step = rows_per_call(ws.counts[e]);
-          for (int64_t r0 = ws.offsets[e]; r0 < ws.offsets[e + 1]; r0 += step) {
-            const int m = static_cast<int>(std::min<int64_t>(step, ws.offsets[e + 1] - r0));
-            if (int8_h) {
-              point_rows(e, r0, m, ps.h_q.data(), slice);
-              for (int i = 0; i < m; ++i) {
-                const int64_t pr = r0 + i + padding_before(e);
-                ptr_s[i] = ps.h_scale.data() + pr * (slice / G),
-                ptr_m[i] = ps.h_sum.data() + pr * (slice / G);
-              }
-              const QuantRows h{reinterpret_cast<const int8_t* const*>(ptr_a.data()), kTiledChunkStride,
-                                reinterpret_cast<const float* const*>(ptr_s.data()),
-                                reinterpret_cast<const float* const*>(ptr_m.data())};
-              gemm_q(m, slice, G, h, w, npan, c_buf.data(), ldc);
-            } else if (quantized) {
-              point_rows(e, r0, m, ps.h_rows.data(), slice * 2);
-              gemm_a16(m, slice, G, bf16_rows, w, npan, c_buf.data(), ldc);
-            } else {
-              point_rows(e, r0, m, ps.h_rows.data(), slice * 2);
-              table_.gemm_bf16(m, slice, bf16_rows, w, npan, c_buf.data(), ldc);
-            }
+      // Adds output panels [p0, p0 + npan) of expert e, for each of its rows, into y ([Tc, Hy]).
+      auto down_run = [&](int e, int64_t p0, int npan, float* y) {
+        const uint8_t* w = pw.down + e * pw.down_bytes + p0 * down_panel;
+        const int64_t ldc = npan * kPanelWidth;
+        const int64_t step = rows_per_call(ws.counts[e]);
+        for (int64_t r0 = ws.offsets[e]; r0 < ws.offsets[e + 1]; r0 += step) {
+          const int m = static_cast<int>(std::min<int64_t>(step, ws.offsets[e + 1] - r0));
+          if (int8_h) {
+            point_rows(e, r0, m, ps.h_q.data(), slice);
             for (int i = 0; i < m; ++i) {
-              const float wt = ws.row_weight[r0 + i];
-              float* y = ps.y.data() + ws.row_token[r0 + i] * Hy + p0 * kPanelWidth;
-              table_.add_weighted(y, c_buf.data() + i * ldc, wt, npan * kPanelWidth);
+              const int64_t pr = r0 + i + padding_before(e);
+              ptr_s[i] = ps.h_scale.data() + pr * (slice / G), ptr_m[i] = ps.h_sum.data() + pr * (slice / G);
             }
+            const QuantRows h{reinterpret_cast<const int8_t* const*>(ptr_a.data()), kTiledChunkStride,
+                              reinterpret_cast<const float* const*>(ptr_s.data()),
+                              reinterpret_cast<const float* const*>(ptr_m.data())};
+            gemm_q(m, slice, G, h, w, npan, c_buf.data(), ldc);
+          } else if (quantized) {
+            point_rows(e, r0, m, ps.h_rows.data(), slice * 2);
+            gemm_a16(m, slice, G, bf16_rows, w, npan, c_buf.data(), ldc);
+          } else {
+            point_rows(e, r0, m, ps.h_rows.data(), slice * 2);
+            table_.gemm_bf16(m, slice, bf16_rows, w, npan, c_buf.data(), ldc);
           }
+          for (int i = 0; i < m; ++i)
+            table_.add_weighted(y + ws.row_token[r0 + i] * Hy + p0 * kPanelWidth, c_buf.data() + i * ldc,
+                                ws.row_weight[r0 + i], npan * kPanelWidth);
         }
-      });
+      };
+      auto& counter = ws.phase_counter[ctx.pool][1].value;
+      if (ws.y_per_worker) {
+        float* y = ws.worker_y[ctx.tid].data();
+        const int64_t max_panels = std::min<int64_t>(kMaxRunPanels, panels);
+        int64_t max_rows = 0;  // a token may name an expert twice, so up to Tc * top_k
+        for (int e : ws.active) max_rows = std::max(max_rows, rows_per_call(ws.counts[e]));
+        grow(c_buf, max_rows * max_panels * kPanelWidth);
+        // Long runs first, shorter ones as the work runs out, so the workers finish together.
+        auto run_panels = [&](int64_t left) {
+          return std::min(max_panels,
+                          std::max<int64_t>(kMinDownPanels, left / (kDownItemsPerWorker * ctx.pool_size)));
+        };
+        const int64_t units = static_cast<int64_t>(ws.active.size()) * panels;
+        for_each_range(counter, units, run_panels, [&](int64_t u0, int64_t n) {
+          for (int64_t u = u0; u < u0 + n;) {  // a range may end one expert's run and start the next
+            const int64_t a = u / panels, p0 = u % panels, npan = std::min(panels - p0, u0 + n - u);
+            down_run(ws.active[a], p0, static_cast<int>(npan), y);
+            u += npan;
+          }
+        });
+      } else {
+        // Few, wide items (h is re-read per item, and each expert's run of weights is longer).
+        const int per_item = static_cast<int>(std::clamp<int64_t>(
+            panels / (kDownItemsPerWorker * ctx.pool_size), kMinDownPanels, kMaxDownPanels));
+        grow(c_buf, kRowChunk * per_item * kPanelWidth);
+        for_each_item(counter, (panels + per_item - 1) / per_item, [&](int64_t b) {
+          const int64_t p0 = b * per_item;
+          const int npan = static_cast<int>(std::min<int64_t>(per_item, panels - p0));
+          for (int e : ws.active) down_run(e, p0, npan, ps.y.data());
+        });
+      }
     });
     ctx.barrier();
 
-    // Phase 4: sum the pools' partial outputs into bf16.
+    // Phase 4: sum the partial outputs (of the pools, or of the workers) into bf16.
     guarded([&] {
+      const bool by_worker = ws.y_per_worker;
+      const int parts_count = by_worker ? ctx.num_threads : P;
       thread_local std::vector<const float*> parts;
-      grow(parts, P);
+      grow(parts, parts_count);
       for (int64_t t = ctx.tid; t < Tc; t += ctx.num_threads) {
-        for (int p = 0; p < P; ++p) parts[p] = ws.pools[p].y.data() + t * Hy;
-        table_.sum_to_bf16(parts.data(), P, H, args.incremental, args.out + (c0 + t) * H);
+        for (int p = 0; p < parts_count; ++p)
+          parts[p] = (by_worker ? ws.worker_y[p].data() : ws.pools[p].y.data()) + t * Hy;
+        table_.sum_to_bf16(parts.data(), parts_count, H, args.incremental, args.out + (c0 + t) * H);
       }
     });
     ctx.barrier();
