@@ -163,6 +163,21 @@ def test_expert_named_twice_and_an_empty_pool(method, T):
 
 
 @pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("T", [1, 5, 40])
+def test_repeated_forwards_are_identical(method, T):
+    """Two workers take work items in whichever order they get to them; the output must not depend
+    on it (decode sums each token's rows in slot order, prefill gives each output block one worker)."""
+    E, k, H, I = 16, 4, 512, 320
+    gate, up, down = make_weights(E, I, H, seed=9)
+    ids, weights = make_routing(T, E, k, seed=9)
+    x = make_hidden(T, H)
+    layer = KTMoEWrapper(0, E, k, H, I, None, 2, 1, method=method)
+    layer.load_weights_from_tensors(gate.bfloat16(), up.bfloat16(), down.bfloat16())
+    first = layer.forward(x, ids, weights)
+    assert all(torch.equal(layer.forward(x, ids, weights), first) for _ in range(30))
+
+
+@pytest.mark.parametrize("method", METHODS)
 def test_incremental_adds_to_output(method):
     """The wrapper writes its output; the engine can also add to what is there (hybrid layer)."""
     E, k, H, I, T = 8, 2, 256, 192, 12

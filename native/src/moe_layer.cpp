@@ -25,9 +25,9 @@ constexpr int kMaxDownPanels = 32;  // ... at most 32 x 16; each item reads ever
 constexpr int kMaxGateUpBlocks = 8;          // blocks of intermediate channels per gate/up item ...
 constexpr int kMinGateUpItemsPerWorker = 8;  // ... while each worker still gets at least 8 items
 constexpr int kDownItemsPerWorker = 2;
-// Chunks of at most this many tokens give each worker a partial output of its own (phase 3), so
-// that down items can be long runs of one expert's weights, at most kMaxRunPanels x 16 channels.
-constexpr int64_t kMaxWorkerYTokens = 32;
+// Chunks of at most this many tokens keep each row's down projection apart (phase 3), so that down
+// items can be long runs of one expert's weights, at most kMaxRunPanels x 16 channels.
+constexpr int64_t kMaxDownRowsTokens = 32;
 constexpr int64_t kMaxRunPanels = 128;
 constexpr int kMaxPools = 64;
 
@@ -101,12 +101,13 @@ struct MoeWorkspace {
     // int8_h methods: h per row quantized to int8 (tiled, same padded rows), scales and sums per group
     AlignedVector<uint8_t> h_q;
     std::vector<float> h_scale, h_sum;
-    std::vector<float> y;  // fp32 partial output [tokens, hidden padded to 16]
+    std::vector<float> y;  // fp32 partial output [tokens, hidden padded to 16] (down_rows: [rows, ...])
   };
   std::vector<PoolScratch> pools;
-  // Small chunks (kMaxWorkerYTokens): the partial outputs are per worker instead of per pool.
-  bool y_per_worker = false;
-  std::vector<std::vector<float>> worker_y;  // [threads][tokens, hidden padded to 16]
+  // Small chunks (kMaxDownRowsTokens): each pool's y holds every row's down projection, summed per
+  // token in slot order in phase 4, whichever worker computed it (the result is reproducible).
+  bool down_rows = false;
+  std::vector<int64_t> slot_row;  // [tokens, top_k]: the row of each slot, -1 when not computed here
   PaddedCounter phase_counter[kMaxPools][3];
   PaddedCounter load_counter;
 };
@@ -405,13 +406,15 @@ void MoeLayer::forward_task(const ForwardArgs& args, const WorkerContext& ctx) {
           any_a16 = any_a16 || ws.a16[e];
         }
         const int64_t R = ws.offsets[E], Rp = ws.padded_offsets[E];
-        grow(ws.row_token, R), grow(ws.row_weight, R);
+        grow(ws.row_token, R), grow(ws.row_weight, R), grow(ws.slot_row, Tc * K);
         std::vector<int64_t> fill(ws.offsets.begin(), ws.offsets.end() - 1);
         for (int64_t t = 0; t < Tc; ++t)
           for (int j = 0; j < K; ++j) {
             const int64_t e = id_at(t, j);
+            ws.slot_row[t * K + j] = -1;
             if (!computed_here(e)) continue;
             const int64_t r = fill[e]++;
+            ws.slot_row[t * K + j] = r;
             ws.row_token[r] = static_cast<int32_t>(t);
             ws.row_weight[r] = args.weights[(c0 + t) * K + j];
           }
@@ -424,14 +427,10 @@ void MoeLayer::forward_task(const ForwardArgs& args, const WorkerContext& ctx) {
           grow(ps.h_rows, Rp * slice * 2);
           if (int8_h)
             grow(ps.h_q, Rp * slice), grow(ps.h_scale, Rp * slice / G), grow(ps.h_sum, Rp * slice / G);
-          if (Tc > kMaxWorkerYTokens) grow(ps.y, Tc * Hy);
+          grow(ps.y, (Tc <= kMaxDownRowsTokens ? R : Tc) * Hy);
           for (auto& c : ws.phase_counter[p]) c.value.store(0);
         }
-        ws.y_per_worker = Tc <= kMaxWorkerYTokens;
-        if (ws.y_per_worker) {
-          grow(ws.worker_y, static_cast<size_t>(ctx.num_threads));
-          for (auto& y : ws.worker_y) grow(y, Tc * Hy);
-        }
+        ws.down_rows = Tc <= kMaxDownRowsTokens;
         ws.bad_routing = false;
       });
     }
@@ -452,7 +451,7 @@ void MoeLayer::forward_task(const ForwardArgs& args, const WorkerContext& ctx) {
           quantize_activation_row(row.data(), Hp, G, ws.x_q.data() + t * Hp, ws.x_scale.data() + t * (Hp / G),
                                   ws.x_sum.data() + t * (Hp / G));
         }
-        if (!ws.y_per_worker)
+        if (!ws.down_rows)
           for (int p = 0; p < P; ++p) std::fill_n(ws.pools[p].y.data() + t * Hy, Hy, 0.0f);
       }
     });
@@ -583,15 +582,15 @@ void MoeLayer::forward_task(const ForwardArgs& args, const WorkerContext& ctx) {
 
     // Phase 3 (per pool): y[token] += weight * (h Wd^T) for every row. Large chunks: items are
     // blocks of output panels over every expert, so no two workers write the same element of the
-    // pool's y. Small chunks (worker_y): items are runs of (expert, panel) pairs, each worker adding
-    // into a y of its own, so that one item can read an expert's whole slice in one contiguous run.
+    // pool's y. Small chunks (down_rows): items are runs of (expert, panel) pairs, each row's
+    // projection stored apart, so that one item can read an expert's whole slice in one run.
     guarded([&] {
-      if (ws.y_per_worker) std::fill_n(ws.worker_y[ctx.tid].data(), Tc * Hy, 0.0f);  // summed in phase 4
       if (slice == 0) return;
       const int64_t down_panel = panel_bytes(config_.method, G, slice);
       const int64_t panels = Hy / kPanelWidth;
-      // Adds output panels [p0, p0 + npan) of expert e, for each of its rows, into y ([Tc, Hy]).
-      auto down_run = [&](int e, int64_t p0, int npan, float* y) {
+      // Output panels [p0, p0 + npan) of expert e for each of its rows: added into the pool's
+      // y[token] with the row's weight, or (down_rows) stored in y[row].
+      auto down_run = [&](int e, int64_t p0, int npan) {
         const uint8_t* w = pw.down + e * pw.down_bytes + p0 * down_panel;
         const int64_t ldc = npan * kPanelWidth;
         const int64_t step = rows_per_call(ws.counts[e]);
@@ -614,14 +613,18 @@ void MoeLayer::forward_task(const ForwardArgs& args, const WorkerContext& ctx) {
             point_rows(e, r0, m, ps.h_rows.data(), slice * 2);
             table_.gemm_bf16(m, slice, bf16_rows, w, npan, c_buf.data(), ldc);
           }
-          for (int i = 0; i < m; ++i)
-            table_.add_weighted(y + ws.row_token[r0 + i] * Hy + p0 * kPanelWidth, c_buf.data() + i * ldc,
-                                ws.row_weight[r0 + i], npan * kPanelWidth);
+          for (int i = 0; i < m; ++i) {
+            const float* c = c_buf.data() + i * ldc;
+            if (ws.down_rows)
+              std::memcpy(ps.y.data() + (r0 + i) * Hy + p0 * kPanelWidth, c, ldc * sizeof(float));
+            else
+              table_.add_weighted(ps.y.data() + ws.row_token[r0 + i] * Hy + p0 * kPanelWidth, c,
+                                  ws.row_weight[r0 + i], ldc);
+          }
         }
       };
       auto& counter = ws.phase_counter[ctx.pool][1].value;
-      if (ws.y_per_worker) {
-        float* y = ws.worker_y[ctx.tid].data();
+      if (ws.down_rows) {
         const int64_t max_panels = std::min<int64_t>(kMaxRunPanels, panels);
         int64_t max_rows = 0;  // a token may name an expert twice, so up to Tc * top_k
         for (int e : ws.active) max_rows = std::max(max_rows, rows_per_call(ws.counts[e]));
@@ -635,7 +638,7 @@ void MoeLayer::forward_task(const ForwardArgs& args, const WorkerContext& ctx) {
         for_each_range(counter, units, run_panels, [&](int64_t u0, int64_t n) {
           for (int64_t u = u0; u < u0 + n;) {  // a range may end one expert's run and start the next
             const int64_t a = u / panels, p0 = u % panels, npan = std::min(panels - p0, u0 + n - u);
-            down_run(ws.active[a], p0, static_cast<int>(npan), y);
+            down_run(ws.active[a], p0, static_cast<int>(npan));
             u += npan;
           }
         });
@@ -647,22 +650,34 @@ void MoeLayer::forward_task(const ForwardArgs& args, const WorkerContext& ctx) {
         for_each_item(counter, (panels + per_item - 1) / per_item, [&](int64_t b) {
           const int64_t p0 = b * per_item;
           const int npan = static_cast<int>(std::min<int64_t>(per_item, panels - p0));
-          for (int e : ws.active) down_run(e, p0, npan, ps.y.data());
+          for (int e : ws.active) down_run(e, p0, npan);
         });
       }
     });
     ctx.barrier();
 
-    // Phase 4: sum the partial outputs (of the pools, or of the workers) into bf16.
+    // Phase 4: sum the pools' partial outputs (down_rows: each token's rows in slot order, weighted)
+    // into bf16.
     guarded([&] {
-      const bool by_worker = ws.y_per_worker;
-      const int parts_count = by_worker ? ctx.num_threads : P;
       thread_local std::vector<const float*> parts;
-      grow(parts, parts_count);
+      thread_local std::vector<float> sum;
+      grow(parts, P), grow(sum, Hy);
       for (int64_t t = ctx.tid; t < Tc; t += ctx.num_threads) {
-        for (int p = 0; p < parts_count; ++p)
-          parts[p] = (by_worker ? ws.worker_y[p].data() : ws.pools[p].y.data()) + t * Hy;
-        table_.sum_to_bf16(parts.data(), parts_count, H, args.incremental, args.out + (c0 + t) * H);
+        if (ws.down_rows) {
+          std::fill_n(sum.data(), Hy, 0.0f);
+          for (int j = 0; j < K; ++j) {
+            const int64_t r = ws.slot_row[t * K + j];
+            if (r < 0) continue;
+            for (int p = 0; p < P; ++p)
+              if (pools_[p]->i_end > pools_[p]->i_begin)  // an empty slice stored nothing
+                table_.add_weighted(sum.data(), ws.pools[p].y.data() + r * Hy, ws.row_weight[r], Hy);
+          }
+          parts[0] = sum.data();
+          table_.sum_to_bf16(parts.data(), 1, H, args.incremental, args.out + (c0 + t) * H);
+        } else {
+          for (int p = 0; p < P; ++p) parts[p] = ws.pools[p].y.data() + t * Hy;
+          table_.sum_to_bf16(parts.data(), P, H, args.incremental, args.out + (c0 + t) * H);
+        }
       }
     });
     ctx.barrier();
