@@ -115,10 +115,10 @@ def test_group_sizes_agree_across_isas(method, group_size, isa):
 
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("threads,pools,numa_nodes", [(1, 1, None), (2, 1, None), (2, 2, [0, 0])])
-@pytest.mark.parametrize("T", [70, 6], ids=["outputs-per-pool", "outputs-per-worker"])
+@pytest.mark.parametrize("T", [70, 6], ids=["outputs-per-token", "outputs-per-row"])
 def test_threads_and_pools_agree(method, threads, pools, numa_nodes, T):
     """Pools split the intermediate dimension; any split gives the same result up to rounding.
-    Batches of at most 32 tokens sum one partial output per worker instead of one per pool."""
+    Batches of at most 32 tokens keep each row's down projection apart and sum a token's rows."""
     E, k, H, I = 16, 4, 512, 704
     gate, up, down = make_weights(E, I, H, seed=5)
     ids, weights = make_routing(T, E, k)
