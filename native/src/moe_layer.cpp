@@ -419,6 +419,7 @@ void MoeLayer::forward_task(const ForwardArgs& args, const WorkerContext& ctx) {
             ws.row_weight[r] = args.weights[(c0 + t) * K + j];
           }
         if (quantized) grow(ws.x_q, Tc * Hp), grow(ws.x_scale, Tc * Hp / G), grow(ws.x_sum, Tc * Hp / G);
+        ws.down_rows = Tc <= kMaxDownRowsTokens;
         grow(ws.x_rows, Rp * Hp * elem);
         if (any_a16) grow(ws.x_rows16, Rp * Hp * 2);
         for (int p = 0; p < P; ++p) {
@@ -427,10 +428,9 @@ void MoeLayer::forward_task(const ForwardArgs& args, const WorkerContext& ctx) {
           grow(ps.h_rows, Rp * slice * 2);
           if (int8_h)
             grow(ps.h_q, Rp * slice), grow(ps.h_scale, Rp * slice / G), grow(ps.h_sum, Rp * slice / G);
-          grow(ps.y, (Tc <= kMaxDownRowsTokens ? R : Tc) * Hy);
+          grow(ps.y, (ws.down_rows ? R : Tc) * Hy);
           for (auto& c : ws.phase_counter[p]) c.value.store(0);
         }
-        ws.down_rows = Tc <= kMaxDownRowsTokens;
         ws.bad_routing = false;
       });
     }
@@ -615,7 +615,7 @@ void MoeLayer::forward_task(const ForwardArgs& args, const WorkerContext& ctx) {
           }
           for (int i = 0; i < m; ++i) {
             const float* c = c_buf.data() + i * ldc;
-            if (ws.down_rows)
+            if (ws.down_rows)  // through c_buf: AMX stores whole blocks of rows, past row m - 1
               std::memcpy(ps.y.data() + (r0 + i) * Hy + p0 * kPanelWidth, c, ldc * sizeof(float));
             else
               table_.add_weighted(ps.y.data() + ws.row_token[r0 + i] * Hy + p0 * kPanelWidth, c,

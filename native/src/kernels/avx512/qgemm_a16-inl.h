@@ -52,8 +52,8 @@ inline void quantize_int16_rows(Int16Rows& rows, const Bf16Rows& a, int m, int64
                             _mm256_shuffle_epi8(_mm512_cvtsepi32_epi16(qi), order));
       }
       const float s = top / 32767.0f;
-      rows.scale[i * groups + g] = s, rows.scaled_sum[i * groups + g] =
-                                          s * static_cast<float>(_mm512_reduce_add_epi32(sum));
+      rows.scale[i * groups + g] = s;
+      rows.scaled_sum[i * groups + g] = s * static_cast<float>(_mm512_reduce_add_epi32(sum));
     }
 }
 
