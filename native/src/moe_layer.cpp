@@ -1,5 +1,8 @@
 #include "kt/moe_layer.h"
 
+#include <immintrin.h>
+#include <sched.h>
+
 #include <algorithm>
 #include <cstring>
 #include <stdexcept>
@@ -102,12 +105,17 @@ struct MoeWorkspace {
     AlignedVector<uint8_t> h_q;
     std::vector<float> h_scale, h_sum;
     std::vector<float> y;  // fp32 partial output [tokens, hidden padded to 16] (down_rows: [rows, ...])
+    // down_rows chunks, per active expert: its gate/up blocks done, plus one once its h is complete
+    // (int8_h: quantized). An expert's down runs start on that, not on a barrier after all of gate/up.
+    std::unique_ptr<std::atomic<int64_t>[]> ready;
+    size_t ready_size = 0;
   };
   std::vector<PoolScratch> pools;
   // Small chunks (kMaxDownRowsTokens): each pool's y holds every row's down projection, summed per
   // token in slot order in phase 4, whichever worker computed it (the result is reproducible).
   bool down_rows = false;
-  std::vector<int64_t> slot_row;  // [tokens, top_k]: the row of each slot, -1 when not computed here
+  std::vector<int64_t> slot_row;    // [tokens, top_k]: the row of each slot, -1 when not computed here
+  std::atomic<bool> failed{false};  // a worker failed in this chunk: whoever waits on ready stops
   PaddedCounter phase_counter[kMaxPools][3];
   PaddedCounter load_counter;
 };
@@ -350,6 +358,7 @@ void MoeLayer::forward_task(const ForwardArgs& args, const WorkerContext& ctx) {
     try {
       body();
     } catch (...) {
+      ws.failed.store(true, std::memory_order_relaxed);
       runner_->record_error(std::current_exception());
     }
   };
@@ -374,6 +383,7 @@ void MoeLayer::forward_task(const ForwardArgs& args, const WorkerContext& ctx) {
     const int64_t Tc = std::min(config_.max_chunk_tokens, T - c0);
     if (ctx.tid == 0) {
       ws.bad_routing = true;  // until routing succeeds
+      ws.failed.store(false, std::memory_order_relaxed);
       guarded([&] {
         auto id_at = [&](int64_t t, int j) -> int64_t {
           const int64_t i = (c0 + t) * K + j;
@@ -429,6 +439,11 @@ void MoeLayer::forward_task(const ForwardArgs& args, const WorkerContext& ctx) {
           if (int8_h)
             grow(ps.h_q, Rp * slice), grow(ps.h_scale, Rp * slice / G), grow(ps.h_sum, Rp * slice / G);
           grow(ps.y, (ws.down_rows ? R : Tc) * Hy);
+          if (ps.ready_size < ws.active.size()) {
+            ps.ready = std::make_unique<std::atomic<int64_t>[]>(ws.active.size());
+            ps.ready_size = ws.active.size();
+          }
+          for (size_t a = 0; a < ws.active.size(); ++a) ps.ready[a].store(0, std::memory_order_relaxed);
           for (auto& c : ws.phase_counter[p]) c.value.store(0);
         }
         ws.bad_routing = false;
@@ -504,6 +519,21 @@ void MoeLayer::forward_task(const ForwardArgs& args, const WorkerContext& ctx) {
     };
     const Bf16Rows bf16_rows{reinterpret_cast<const uint16_t* const*>(ptr_a.data()), kTiledChunkStride};
 
+    // Row r of expert e's h, quantized to int8 per group for the down projection (int8_h methods).
+    auto quantize_h_row = [&](int e, int64_t r) {
+      thread_local std::vector<float> row;
+      thread_local AlignedVector<uint8_t> q;
+      grow(row, slice), grow(q, slice);
+      const int64_t pr = r + padding_before(e);
+      const uint16_t* h_row[1] = {
+          reinterpret_cast<const uint16_t*>(tiled_row(ps.h_rows.data(), pr, slice * 2))};
+      const Bf16Rows h{h_row, kTiledChunkStride};
+      for (int64_t k = 0; k < slice; ++k) row[k] = bf16_to_float(*kernels::bf16_at(h, 0, k));
+      quantize_activation_row(row.data(), slice, G, reinterpret_cast<int8_t*>(q.data()),
+                              ps.h_scale.data() + pr * (slice / G), ps.h_sum.data() + pr * (slice / G));
+      store_tiled(tiled_row(ps.h_q.data(), pr, slice), 0, q.data(), slice);
+    };
+
     // Phase 2 (per pool): h = silu(x Wg^T) * (x Wu^T), stored in bf16, for one expert and one block
     // of intermediate channels (the unit gate and up are interleaved by).
     guarded([&] {
@@ -548,36 +578,37 @@ void MoeLayer::forward_task(const ForwardArgs& args, const WorkerContext& ctx) {
           }
         }
       };
-      for_each_item(ws.phase_counter[ctx.pool][0].value,
-                    items_per_expert * static_cast<int64_t>(ws.active.size()), [&](int64_t item) {
-                      const int64_t a = item / items_per_expert, first = item % items_per_expert * per_item;
-                      for (int64_t gl = first; gl < std::min(slice_groups, first + per_item); ++gl)
-                        gate_up_block(a, gl);
-                    });
+      for_each_item(
+          ws.phase_counter[ctx.pool][0].value, items_per_expert * static_cast<int64_t>(ws.active.size()),
+          [&](int64_t item) {
+            const int64_t a = item / items_per_expert, first = item % items_per_expert * per_item;
+            const int64_t last = std::min(slice_groups, first + per_item);
+            for (int64_t gl = first; gl < last; ++gl) gate_up_block(a, gl);
+            if (!ws.down_rows) return;
+            // The worker that finishes an expert's last block completes its h and lets
+            // its down runs start.
+            if (ps.ready[a].fetch_add(last - first, std::memory_order_acq_rel) + last - first < slice_groups)
+              return;
+            const int e = ws.active[a];
+            if (int8_h)
+              for (int64_t r = ws.offsets[e]; r < ws.offsets[e + 1]; ++r) quantize_h_row(e, r);
+            ps.ready[a].store(slice_groups + 1, std::memory_order_release);
+          });
     });
-    ctx.pool_barrier();
 
-    // Phase 2b (int8_h methods, per pool): each row's h quantized to int8 per group, once for all
-    // the output blocks of phase 3.
-    if (int8_h && slice > 0) {
-      guarded([&] {
-        thread_local std::vector<float> row;
-        thread_local AlignedVector<uint8_t> q;
-        grow(row, slice), grow(q, slice);
-        for (int e : ws.active)
-          for (int64_t r = first_row_of(ws.offsets[e], ctx.rank_in_pool, ctx.pool_size);
-               r < ws.offsets[e + 1]; r += ctx.pool_size) {
-            const int64_t pr = r + padding_before(e);
-            const uint16_t* h_row[1] = {
-                reinterpret_cast<const uint16_t*>(tiled_row(ps.h_rows.data(), pr, slice * 2))};
-            const Bf16Rows h{h_row, kTiledChunkStride};
-            for (int64_t k = 0; k < slice; ++k) row[k] = bf16_to_float(*kernels::bf16_at(h, 0, k));
-            quantize_activation_row(row.data(), slice, G, reinterpret_cast<int8_t*>(q.data()),
-                                    ps.h_scale.data() + pr * (slice / G), ps.h_sum.data() + pr * (slice / G));
-            store_tiled(tiled_row(ps.h_q.data(), pr, slice), 0, q.data(), slice);
-          }
-      });
+    // Phase 2b (int8_h methods, per pool, large chunks): each row's h quantized to int8 per group,
+    // once for all the output blocks of phase 3.
+    if (!ws.down_rows) {
       ctx.pool_barrier();
+      if (int8_h && slice > 0) {
+        guarded([&] {
+          for (int e : ws.active)
+            for (int64_t r = first_row_of(ws.offsets[e], ctx.rank_in_pool, ctx.pool_size);
+                 r < ws.offsets[e + 1]; r += ctx.pool_size)
+              quantize_h_row(e, r);
+        });
+        ctx.pool_barrier();
+      }
     }
 
     // Phase 3 (per pool): y[token] += weight * (h Wd^T) for every row. Large chunks: items are
@@ -635,9 +666,22 @@ void MoeLayer::forward_task(const ForwardArgs& args, const WorkerContext& ctx) {
                           std::max<int64_t>(kMinDownPanels, left / (kDownItemsPerWorker * ctx.pool_size)));
         };
         const int64_t units = static_cast<int64_t>(ws.active.size()) * panels;
+        // Waits until expert a's h is complete. Every gate/up item was taken before any down range,
+        // so the wait ends unless the worker holding one failed.
+        auto wait_ready = [&](int64_t a) {
+          for (int i = 0; ps.ready[a].load(std::memory_order_acquire) <= slice_groups; ++i) {
+            if (ws.failed.load(std::memory_order_relaxed))
+              throw std::runtime_error("forward: stopped after another worker failed");
+            if (i < 4096)
+              _mm_pause();
+            else
+              sched_yield();
+          }
+        };
         for_each_range(counter, units, run_panels, [&](int64_t u0, int64_t n) {
           for (int64_t u = u0; u < u0 + n;) {  // a range may end one expert's run and start the next
             const int64_t a = u / panels, p0 = u % panels, npan = std::min(panels - p0, u0 + n - u);
+            wait_ready(a);
             down_run(ws.active[a], p0, static_cast<int>(npan));
             u += npan;
           }
@@ -680,7 +724,7 @@ void MoeLayer::forward_task(const ForwardArgs& args, const WorkerContext& ctx) {
         }
       }
     });
-    ctx.barrier();
+    if (c0 + Tc < T) ctx.barrier();  // after the last chunk, the runner's own barrier ends the task
   }
 }
 
