@@ -358,8 +358,8 @@ void MoeLayer::forward_task(const ForwardArgs& args, const WorkerContext& ctx) {
     try {
       body();
     } catch (...) {
-      ws.failed.store(true, std::memory_order_relaxed);
       runner_->record_error(std::current_exception());
+      ws.failed.store(true, std::memory_order_release);  // after the record: a waiter's error comes second
     }
   };
 
@@ -670,7 +670,7 @@ void MoeLayer::forward_task(const ForwardArgs& args, const WorkerContext& ctx) {
         // so the wait ends unless the worker holding one failed.
         auto wait_ready = [&](int64_t a) {
           for (int i = 0; ps.ready[a].load(std::memory_order_acquire) <= slice_groups; ++i) {
-            if (ws.failed.load(std::memory_order_relaxed))
+            if (ws.failed.load(std::memory_order_acquire))
               throw std::runtime_error("forward: stopped after another worker failed");
             if (i < 4096)
               _mm_pause();
