@@ -1,6 +1,7 @@
 #include "kt/runner.h"
 
 #include <immintrin.h>
+#include <sched.h>
 
 #include <chrono>
 #include <cstdlib>
@@ -12,7 +13,10 @@ namespace kt {
 
 namespace {
 
-// Spins until `done()` or `microseconds` pass; true when done.
+// Spins until `done()` or `microseconds` pass; true when done. It yields every 64 pauses: the
+// caller woken by the task that just ended waits for a core while both workers spin (Zen 4, 2
+// cores, kernel 6.18: a forward of a fully masked layer took 17 or 53-78 us from one process to
+// the next, with the yield 16-18 us).
 template <class F>
 bool spin_until(F done, int microseconds) {
   if (microseconds <= 0) return done();
@@ -20,7 +24,10 @@ bool spin_until(F done, int microseconds) {
   for (int i = 0;; ++i) {
     if (done()) return true;
     _mm_pause();
-    if ((i & 63) == 63 && std::chrono::steady_clock::now() > deadline) return false;
+    if ((i & 63) == 63) {
+      if (std::chrono::steady_clock::now() > deadline) return false;
+      sched_yield();
+    }
   }
 }
 

@@ -3,7 +3,7 @@
 // `threads` workers in total, grouped into pools (one per NUMA node, or several on one node), each
 // pinned to a core. There is no extra dispatcher thread: worker 0 takes the next task from the
 // queue and every worker runs it, so never more than `threads` threads are busy. Idle workers spin
-// briefly, then park on a futex. Callers of sync() sleep.
+// briefly, yielding the core now and then, then park on a futex. Callers of sync() sleep.
 #pragma once
 
 #include <atomic>
