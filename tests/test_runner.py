@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from conftest import make_hidden, make_routing, make_weights
@@ -42,6 +44,39 @@ def test_sync_allow_pending():
     assert runner.pending() == 0
     for layer in layers:  # results are there and right after the global sync
         assert layer.sync_forward().shape == (300, 512)
+
+
+def test_sync_rejects_negative_allow_pending():
+    runner = _native.Runner([(0, [0])])
+    with pytest.raises(ValueError, match="allow_pending must be >= 0"):
+        runner.sync(allow_pending=-1)
+
+
+def test_callers_on_several_threads_each_wake_at_their_task():
+    """Callers waiting for different tasks at once all return (the runner wakes callers only
+    when the fewest completions one of them waits for is reached, and each re-arms its own)."""
+    layer = build_layers(1)[0]
+    runner = layer._runner
+    T = 300
+    x = make_hidden(T, 512)
+    ids, weights = make_routing(T, 16, 4)
+    outs = [torch.empty(T, 512, dtype=torch.bfloat16) for _ in range(12)]
+    ptrs = (x.data_ptr(), ids.data_ptr(), ids.dtype == torch.int64, weights.data_ptr(), 0)
+    task_ids = [layer._layer.submit_forward(T, 0, *ptrs, out.data_ptr(), False) for out in outs]
+    returned = []
+    callers = [
+        threading.Thread(target=lambda i=i: (runner.wait(i), returned.append(i))) for i in task_ids[::-1]
+    ]
+    callers.append(threading.Thread(target=lambda: (runner.sync(allow_pending=6), returned.append("sync"))))
+    for c in callers:
+        c.start()
+    for c in callers:
+        c.join(timeout=60)
+    assert not any(c.is_alive() for c in callers), "a caller was never woken"
+    assert sorted(returned, key=str) == sorted([*task_ids, "sync"], key=str)
+    expected = layer.forward(x, ids, weights)
+    for out in outs:
+        assert torch.equal(out, expected)
 
 
 def test_task_error_surfaces_at_sync_once():

@@ -3,6 +3,7 @@
 #include <immintrin.h>
 #include <sched.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <stdexcept>
@@ -79,12 +80,21 @@ uint64_t Runner::submit(Task task) {
   return id;
 }
 
+void Runner::wait_for_completions(std::unique_lock<std::mutex>& lock, uint64_t target) {
+  while (completed_.load() < target) {
+    // Every woken caller whose target is not reached yet sets it again.
+    wake_at_ = std::min(wake_at_, target);
+    done_cv_.wait(lock);
+  }
+}
+
 void Runner::sync(int64_t allow_pending) {
   std::exception_ptr error;
   {
+    if (allow_pending < 0) throw std::invalid_argument("sync: allow_pending must be >= 0");
     std::unique_lock<std::mutex> lock(mutex_);
-    done_cv_.wait(
-        lock, [&] { return static_cast<int64_t>(submitted_.load() - completed_.load()) <= allow_pending; });
+    const uint64_t submitted = submitted_.load(), pending = static_cast<uint64_t>(allow_pending);
+    wait_for_completions(lock, submitted > pending ? submitted - pending : 0);
     std::swap(error, first_error_);
   }
   if (error) std::rethrow_exception(error);
@@ -94,7 +104,7 @@ void Runner::wait(uint64_t id) {
   std::exception_ptr error;
   {
     std::unique_lock<std::mutex> lock(mutex_);
-    done_cv_.wait(lock, [&] { return completed_.load() >= id; });
+    wait_for_completions(lock, id);
     std::swap(error, first_error_);
   }
   if (error) std::rethrow_exception(error);
@@ -152,11 +162,13 @@ void Runner::worker_main(int tid, int pool, int rank) {
     all_barrier_.arrive_and_wait();
     if (tid == 0) {
       current_ = nullptr;
+      bool wake = false;
       {
         std::lock_guard<std::mutex> lock(mutex_);
-        completed_.fetch_add(1, std::memory_order_acq_rel);
+        wake = completed_.fetch_add(1, std::memory_order_acq_rel) + 1 >= wake_at_;
+        if (wake) wake_at_ = UINT64_MAX;
       }
-      done_cv_.notify_all();
+      if (wake) done_cv_.notify_all();
     }
   }
 }
