@@ -24,9 +24,10 @@ constexpr int kMaxDownPanels = 32;  // ... at most 32 x 16; each item reads ever
 // Work items are made as long as the pool's balance allows: each is a contiguous run of weights,
 // and longer runs stream faster (Zen 4, Qwen3 at T=1 in the host's fast state: gate/up items of 4
 // blocks and down items of two per worker, x1.05-1.11 against 1 block and four per worker; 6
-// blocks, the most 8 items per worker leave there, another x1.03).
-constexpr int kMaxGateUpBlocks = 8;          // blocks of intermediate channels per gate/up item ...
-constexpr int kMinGateUpItemsPerWorker = 8;  // ... while each worker still gets at least 8 items
+// blocks, the most 8 items per worker leave there, another x1.03; with an item's blocks in one
+// kernel call, 12 blocks (a whole expert, 4 items per worker) another x1.04).
+constexpr int kMaxGateUpBlocks = 16;         // blocks of intermediate channels per gate/up item ...
+constexpr int kMinGateUpItemsPerWorker = 4;  // ... while each worker still gets at least 4 items
 constexpr int kDownItemsPerWorker = 2;
 // Chunks of at most this many tokens keep each row's down projection apart (phase 3), so that down
 // items can be long runs of one expert's weights, at most kMaxRunPanels x 16 channels.
