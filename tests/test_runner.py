@@ -64,10 +64,14 @@ def test_callers_on_several_threads_each_wake_at_their_task():
     ptrs = (x.data_ptr(), ids.data_ptr(), ids.dtype == torch.int64, weights.data_ptr(), 0)
     task_ids = [layer._layer.submit_forward(T, 0, *ptrs, out.data_ptr(), False) for out in outs]
     returned = []
+    # daemon threads: a caller never woken fails the test instead of hanging the process at exit
     callers = [
-        threading.Thread(target=lambda i=i: (runner.wait(i), returned.append(i))) for i in task_ids[::-1]
+        threading.Thread(target=lambda i=i: (runner.wait(i), returned.append(i)), daemon=True)
+        for i in task_ids[::-1]
     ]
-    callers.append(threading.Thread(target=lambda: (runner.sync(allow_pending=6), returned.append("sync"))))
+    callers.append(
+        threading.Thread(target=lambda: (runner.sync(allow_pending=6), returned.append("sync")), daemon=True)
+    )
     for c in callers:
         c.start()
     for c in callers:

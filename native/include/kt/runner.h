@@ -99,7 +99,7 @@ class Runner {
   std::atomic<uint64_t> completed_{0};
   // The fewest completions a sleeping caller waits for (none: UINT64_MAX). Worker 0 wakes callers
   // only once it is reached: with 8 tasks queued, waking the caller at each one cost the workers
-  // ~15 us a task on 2 cores (the caller took a worker's core only to sleep again).
+  // 6-8 us of idle a task on 2 cores (the caller took a worker's core only to sleep again).
   uint64_t wake_at_ = UINT64_MAX;
   void wait_for_completions(std::unique_lock<std::mutex>& lock, uint64_t target);
   std::exception_ptr first_error_;
