@@ -535,6 +535,10 @@ void MoeLayer::forward_task(const ForwardArgs& args, const WorkerContext& ctx) {
       store_tiled(tiled_row(ps.h_q.data(), pr, slice), 0, q.data(), slice);
     };
 
+    // Rows of the longest kernel call: a token may name an expert twice, so up to Tc * top_k.
+    int64_t max_rows = 0;
+    for (int e : ws.active) max_rows = std::max(max_rows, rows_per_call(ws.counts[e]));
+
     // Phase 2 (per pool): h = silu(x Wg^T) * (x Wu^T), stored in bf16, for one expert and a run of
     // blocks of intermediate channels (the unit gate and up are interleaved by).
     guarded([&] {
@@ -549,8 +553,6 @@ void MoeLayer::forward_task(const ForwardArgs& args, const WorkerContext& ctx) {
       // weights (Zen 4, Qwen3 INT4 at T=1: x1.03-1.04 when the host's bandwidth is high); large
       // ones one block per call, so that c_buf stays within the L2.
       const int64_t blocks_per_call = ws.down_rows ? per_item : 1;
-      int64_t max_rows = 0;
-      for (int e : ws.active) max_rows = std::max(max_rows, rows_per_call(ws.counts[e]));
       grow(c_buf, max_rows * blocks_per_call * 2 * Gh);
       // Blocks [gl0, gl0 + nb) of expert ws.active[a]: its intermediate channels [gl0 * Gh,
       // (gl0 + nb) * Gh) of the slice.
@@ -669,8 +671,6 @@ void MoeLayer::forward_task(const ForwardArgs& args, const WorkerContext& ctx) {
       auto& counter = ws.phase_counter[ctx.pool][1].value;
       if (ws.down_rows) {
         const int64_t max_panels = std::min<int64_t>(kMaxRunPanels, panels);
-        int64_t max_rows = 0;  // a token may name an expert twice, so up to Tc * top_k
-        for (int e : ws.active) max_rows = std::max(max_rows, rows_per_call(ws.counts[e]));
         grow(c_buf, max_rows * max_panels * kPanelWidth);
         // Long runs first, shorter ones as the work runs out, so the workers finish together.
         auto run_panels = [&](int64_t left) {
