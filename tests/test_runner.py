@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
@@ -81,6 +82,40 @@ def test_callers_on_several_threads_each_wake_at_their_task():
     expected = layer.forward(x, ids, weights)
     for out in outs:
         assert torch.equal(out, expected)
+
+
+def test_callers_pinned_to_each_cpu_are_woken_and_every_task_counted_once():
+    """The worker on the caller's CPU counts each completion and wakes the caller; from every CPU
+    (a worker's or not), each task is counted exactly once and results are right."""
+    layer = build_layers(1)[0]
+    runner = layer._runner
+    x = make_hidden(5, 512)
+    ids, weights = make_routing(5, 16, 4)
+    expected = layer.forward(x, ids, weights)
+    outs = [torch.empty(5, 512, dtype=torch.bfloat16) for _ in range(4)]
+    ptrs = (x.data_ptr(), ids.data_ptr(), ids.dtype == torch.int64, weights.data_ptr(), 0)
+    failures = []
+
+    def calls_from(cpu):
+        try:
+            os.sched_setaffinity(0, {cpu})  # this thread only
+            for _ in range(20):
+                if not torch.equal(layer.forward(x, ids, weights), expected):
+                    failures.append(f"cpu {cpu}: wrong forward")
+                last = [layer._layer.submit_forward(5, 0, *ptrs, o.data_ptr(), False) for o in outs][-1]
+                runner.wait(last)
+                if runner.pending() != 0:
+                    failures.append(f"cpu {cpu}: {runner.pending()} pending after the last task")
+        except Exception as e:  # surfaced below
+            failures.append(f"cpu {cpu}: {e!r}")
+
+    for cpu in sorted(os.sched_getaffinity(0)):
+        caller = threading.Thread(target=calls_from, args=(cpu,), daemon=True)
+        caller.start()
+        caller.join(timeout=60)
+        assert not caller.is_alive(), f"a caller on cpu {cpu} was never woken"
+    assert failures == []
+    assert all(torch.equal(o, expected) for o in outs)
 
 
 def test_task_error_surfaces_at_sync_once():

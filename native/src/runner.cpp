@@ -50,6 +50,7 @@ Runner::Runner(std::vector<PoolSpec> pools) : pools_(std::move(pools)) {
   for (const auto& p : pools_) {
     if (p.cpus.empty()) throw std::invalid_argument("every pool needs at least one thread");
     total += static_cast<int>(p.cpus.size());
+    worker_cpus_.insert(worker_cpus_.end(), p.cpus.begin(), p.cpus.end());
     pool_barriers_.push_back(std::make_unique<SpinBarrier>(static_cast<int>(p.cpus.size())));
   }
   all_barrier_.reset(total);
@@ -81,6 +82,7 @@ uint64_t Runner::submit(Task task) {
 }
 
 void Runner::wait_for_completions(std::unique_lock<std::mutex>& lock, uint64_t target) {
+  waiter_cpu_.store(sched_getcpu(), std::memory_order_relaxed);
   while (completed_.load() < target) {
     // Every woken caller whose target is not reached yet sets it again.
     wake_at_ = std::min(wake_at_, target);
@@ -146,6 +148,10 @@ void Runner::worker_main(int tid, int pool, int rank) {
         queue_.pop_front();
         ++taken;
       }
+      const auto on_waiter_cpu =
+          std::find(worker_cpus_.begin(), worker_cpus_.end(), waiter_cpu_.load(std::memory_order_relaxed));
+      notifier_ =
+          on_waiter_cpu == worker_cpus_.end() ? 0 : static_cast<int>(on_waiter_cpu - worker_cpus_.begin());
       seen = epoch_.fetch_add(1, std::memory_order_release) + 1;
       epoch_.notify_all();
     } else {
@@ -154,14 +160,15 @@ void Runner::worker_main(int tid, int pool, int rank) {
       seen = epoch_.load(std::memory_order_acquire);
       if (stop_.load()) return;
     }
+    const int notifier = notifier_;  // read before the end barrier: worker 0 rewrites it after
     try {
       current_(me);
     } catch (...) {
       record_error(std::current_exception());
     }
     all_barrier_.arrive_and_wait();
-    if (tid == 0) {
-      current_ = nullptr;
+    if (tid == 0) current_ = nullptr;
+    if (tid == notifier) {
       bool wake = false;
       {
         std::lock_guard<std::mutex> lock(mutex_);
