@@ -88,6 +88,7 @@ struct MoeWorkspace {
   std::vector<int64_t> counts, offsets, padded_offsets;  // [E], [E + 1], [E + 1]
   std::vector<int> active;                               // experts with at least one row
   std::vector<int32_t> row_token;                        // chunk-local token of each row
+  std::vector<int32_t> row_expert;
   std::vector<float> row_weight;
   // Set by worker 0, read by all after a barrier. Two flags: the start check and a chunk's routing
   // have no barrier between them, so one flag could be rewritten while a worker still reads it.
@@ -364,6 +365,80 @@ void MoeLayer::forward_task(const ForwardArgs& args, const WorkerContext& ctx) {
     }
   };
 
+  // Worker 0 routes chunk [c0, c0 + Tc): groups its rows by expert and sizes the buffers; sets
+  // ws.bad_routing on failure.
+  auto route = [&](int64_t c0, int64_t Tc) {
+    ws.bad_routing = true;  // until routing succeeds
+    ws.failed.store(false, std::memory_order_relaxed);
+    guarded([&] {
+      auto id_at = [&](int64_t t, int j) -> int64_t {
+        const int64_t i = (c0 + t) * K + j;
+        return args.ids_int64 ? static_cast<const int64_t*>(args.expert_ids)[i]
+                              : static_cast<const int32_t*>(args.expert_ids)[i];
+      };
+      auto computed_here = [&](int64_t e) { return e >= 0 && !(args.skip_mask && args.skip_mask[e]); };
+      if (args.tokens_ptr) {  // read at run time: submit could not check them
+        const size_t bytes = args.ids_int64 ? sizeof(int64_t) : sizeof(int32_t);
+        check_expert_ids(static_cast<const uint8_t*>(args.expert_ids) + c0 * K * bytes, args.ids_int64, Tc, K,
+                         E, c0);
+      }
+      ws.counts.assign(E, 0);
+      for (int64_t t = 0; t < Tc; ++t)
+        for (int j = 0; j < K; ++j) {
+          const int64_t e = id_at(t, j);
+          if (computed_here(e)) ++ws.counts[e];
+        }
+      ws.offsets.assign(E + 1, 0);
+      ws.padded_offsets.assign(E + 1, 0);
+      ws.active.clear();
+      ws.a16.assign(E, 0);
+      bool any_a16 = false;
+      for (int e = 0; e < E; ++e) {
+        ws.offsets[e + 1] = ws.offsets[e] + ws.counts[e];
+        ws.padded_offsets[e + 1] = ws.padded_offsets[e] + round_up(ws.counts[e], kRowBlock);
+        if (ws.counts[e] > 0) ws.active.push_back(e);
+        ws.a16[e] =
+            quantized && table_.gate_up_a16_min_rows > 0 && ws.counts[e] >= table_.gate_up_a16_min_rows;
+        any_a16 = any_a16 || ws.a16[e];
+      }
+      const int64_t R = ws.offsets[E], Rp = ws.padded_offsets[E];
+      grow(ws.row_token, R), grow(ws.row_expert, R), grow(ws.row_weight, R), grow(ws.slot_row, Tc * K);
+      std::vector<int64_t> fill(ws.offsets.begin(), ws.offsets.end() - 1);
+      for (int64_t t = 0; t < Tc; ++t)
+        for (int j = 0; j < K; ++j) {
+          const int64_t e = id_at(t, j);
+          ws.slot_row[t * K + j] = -1;
+          if (!computed_here(e)) continue;
+          const int64_t r = fill[e]++;
+          ws.slot_row[t * K + j] = r;
+          ws.row_token[r] = static_cast<int32_t>(t);
+          ws.row_expert[r] = static_cast<int32_t>(e);
+          ws.row_weight[r] = args.weights[(c0 + t) * K + j];
+        }
+      if (quantized) grow(ws.x_q, Tc * Hp), grow(ws.x_scale, Tc * Hp / G), grow(ws.x_sum, Tc * Hp / G);
+      ws.down_rows = Tc <= kMaxDownRowsTokens;
+      grow(ws.x_rows, Rp * Hp * elem);
+      if (any_a16) grow(ws.x_rows16, Rp * Hp * 2);
+      for (int p = 0; p < P; ++p) {
+        auto& ps = ws.pools[p];
+        const int64_t slice = pools_[p]->i_end - pools_[p]->i_begin;
+        grow(ps.h_rows, Rp * slice * 2);
+        if (int8_h)
+          grow(ps.h_q, Rp * slice), grow(ps.h_scale, Rp * slice / G), grow(ps.h_sum, Rp * slice / G);
+        grow(ps.y, (ws.down_rows ? R : Tc) * Hy);
+        if (ps.ready_size < ws.active.size()) {
+          ps.ready = std::make_unique<std::atomic<int64_t>[]>(ws.active.size());
+          ps.ready_size = ws.active.size();
+        }
+        for (size_t a = 0; a < ws.active.size(); ++a) ps.ready[a].store(0, std::memory_order_relaxed);
+        for (auto& c : ws.phase_counter[p]) c.value.store(0);
+      }
+      ws.bad_routing = false;
+    });
+  };
+
+  // Worker 0 reads the batch size and routes the first chunk before the first barrier: at T=1 each
+  // barrier is a few us of a ~400 us layer.
   if (ctx.tid == 0) {
     ws.tokens = args.tokens_ptr ? *args.tokens_ptr : args.tokens;
     ws.bad_batch = ws.tokens < 0 || (args.max_tokens > 0 && ws.tokens > args.max_tokens);
@@ -375,6 +450,7 @@ void MoeLayer::forward_task(const ForwardArgs& args, const WorkerContext& ctx) {
           "forward: the batch size read at run time is " + std::to_string(ws.tokens) + ", " + bound)));
     }
     grow(ws.pools, static_cast<size_t>(P));
+    if (!ws.bad_batch && ws.tokens > 0) route(0, std::min(config_.max_chunk_tokens, ws.tokens));
   }
   ctx.barrier();
   if (ws.bad_batch) return;
@@ -382,86 +458,25 @@ void MoeLayer::forward_task(const ForwardArgs& args, const WorkerContext& ctx) {
 
   for (int64_t c0 = 0; c0 < T; c0 += config_.max_chunk_tokens) {
     const int64_t Tc = std::min(config_.max_chunk_tokens, T - c0);
-    if (ctx.tid == 0) {
-      ws.bad_routing = true;  // until routing succeeds
-      ws.failed.store(false, std::memory_order_relaxed);
-      guarded([&] {
-        auto id_at = [&](int64_t t, int j) -> int64_t {
-          const int64_t i = (c0 + t) * K + j;
-          return args.ids_int64 ? static_cast<const int64_t*>(args.expert_ids)[i]
-                                : static_cast<const int32_t*>(args.expert_ids)[i];
-        };
-        auto computed_here = [&](int64_t e) { return e >= 0 && !(args.skip_mask && args.skip_mask[e]); };
-        if (args.tokens_ptr) {  // read at run time: submit could not check them
-          const size_t bytes = args.ids_int64 ? sizeof(int64_t) : sizeof(int32_t);
-          check_expert_ids(static_cast<const uint8_t*>(args.expert_ids) + c0 * K * bytes, args.ids_int64, Tc,
-                           K, E, c0);
-        }
-        ws.counts.assign(E, 0);
-        for (int64_t t = 0; t < Tc; ++t)
-          for (int j = 0; j < K; ++j) {
-            const int64_t e = id_at(t, j);
-            if (computed_here(e)) ++ws.counts[e];
-          }
-        ws.offsets.assign(E + 1, 0);
-        ws.padded_offsets.assign(E + 1, 0);
-        ws.active.clear();
-        ws.a16.assign(E, 0);
-        bool any_a16 = false;
-        for (int e = 0; e < E; ++e) {
-          ws.offsets[e + 1] = ws.offsets[e] + ws.counts[e];
-          ws.padded_offsets[e + 1] = ws.padded_offsets[e] + round_up(ws.counts[e], kRowBlock);
-          if (ws.counts[e] > 0) ws.active.push_back(e);
-          ws.a16[e] =
-              quantized && table_.gate_up_a16_min_rows > 0 && ws.counts[e] >= table_.gate_up_a16_min_rows;
-          any_a16 = any_a16 || ws.a16[e];
-        }
-        const int64_t R = ws.offsets[E], Rp = ws.padded_offsets[E];
-        grow(ws.row_token, R), grow(ws.row_weight, R), grow(ws.slot_row, Tc * K);
-        std::vector<int64_t> fill(ws.offsets.begin(), ws.offsets.end() - 1);
-        for (int64_t t = 0; t < Tc; ++t)
-          for (int j = 0; j < K; ++j) {
-            const int64_t e = id_at(t, j);
-            ws.slot_row[t * K + j] = -1;
-            if (!computed_here(e)) continue;
-            const int64_t r = fill[e]++;
-            ws.slot_row[t * K + j] = r;
-            ws.row_token[r] = static_cast<int32_t>(t);
-            ws.row_weight[r] = args.weights[(c0 + t) * K + j];
-          }
-        if (quantized) grow(ws.x_q, Tc * Hp), grow(ws.x_scale, Tc * Hp / G), grow(ws.x_sum, Tc * Hp / G);
-        ws.down_rows = Tc <= kMaxDownRowsTokens;
-        grow(ws.x_rows, Rp * Hp * elem);
-        if (any_a16) grow(ws.x_rows16, Rp * Hp * 2);
-        for (int p = 0; p < P; ++p) {
-          auto& ps = ws.pools[p];
-          const int64_t slice = pools_[p]->i_end - pools_[p]->i_begin;
-          grow(ps.h_rows, Rp * slice * 2);
-          if (int8_h)
-            grow(ps.h_q, Rp * slice), grow(ps.h_scale, Rp * slice / G), grow(ps.h_sum, Rp * slice / G);
-          grow(ps.y, (ws.down_rows ? R : Tc) * Hy);
-          if (ps.ready_size < ws.active.size()) {
-            ps.ready = std::make_unique<std::atomic<int64_t>[]>(ws.active.size());
-            ps.ready_size = ws.active.size();
-          }
-          for (size_t a = 0; a < ws.active.size(); ++a) ps.ready[a].store(0, std::memory_order_relaxed);
-          for (auto& c : ws.phase_counter[p]) c.value.store(0);
-        }
-        ws.bad_routing = false;
-      });
+    if (c0 > 0) {
+      if (ctx.tid == 0) route(c0, Tc);
+      ctx.barrier();
     }
-    ctx.barrier();
     if (ws.bad_routing) return;
     // Row r of expert e sits at padded row r + padding_before(e).
     auto padding_before = [&](int e) { return ws.padded_offsets[e] - ws.offsets[e]; };
 
-    // Phase 1: quantize each token's input once for all its experts; clear the partial sums.
+    // Phase 1: each token's input quantized once for all its experts, then gathered into each of its
+    // rows in the tiled layout; its partial sums cleared. A worker gathers the tokens it quantized,
+    // so the two steps need no barrier between them.
     guarded([&] {
       thread_local std::vector<float> row;
-      grow(row, Hp);
+      thread_local std::vector<uint16_t> padded;
+      grow(row, Hp), grow(padded, Hp);
+      const int64_t H_whole = H / (kChunkBytes / 2) * (kChunkBytes / 2);  // bf16 values in whole chunks
       for (int64_t t = ctx.tid; t < Tc; t += ctx.num_threads) {
+        const uint16_t* x = args.hidden + (c0 + t) * H;
         if (quantized) {
-          const uint16_t* x = args.hidden + (c0 + t) * H;
           for (int64_t i = 0; i < H; ++i) row[i] = bf16_to_float(x[i]);
           std::fill(row.begin() + H, row.begin() + Hp, 0.0f);
           quantize_activation_row(row.data(), Hp, G, ws.x_q.data() + t * Hp, ws.x_scale.data() + t * (Hp / G),
@@ -469,32 +484,23 @@ void MoeLayer::forward_task(const ForwardArgs& args, const WorkerContext& ctx) {
         }
         if (!ws.down_rows)
           for (int p = 0; p < P; ++p) std::fill_n(ws.pools[p].y.data() + t * Hy, Hy, 0.0f);
-      }
-    });
-    ctx.barrier();
-    // Phase 1b: gather each expert's rows into the tiled layout.
-    guarded([&] {
-      thread_local std::vector<uint16_t> padded;
-      grow(padded, Hp);
-      const int64_t H_whole = H / (kChunkBytes / 2) * (kChunkBytes / 2);  // bf16 values in whole chunks
-      for (int e : ws.active) {
-        for (int64_t r = first_row_of(ws.offsets[e], ctx.tid, ctx.num_threads); r < ws.offsets[e + 1];
-             r += ctx.num_threads) {
-          const int64_t t = ws.row_token[r];
+        for (int j = 0; j < K; ++j) {
+          const int64_t r = ws.slot_row[t * K + j];
+          if (r < 0) continue;
+          const int e = ws.row_expert[r];
           if (quantized && !ws.a16[e]) {
             store_tiled(tiled_row(ws.x_rows.data(), r + padding_before(e), Hp), 0, ws.x_q.data() + t * Hp,
                         Hp);
-          } else {
-            // Whole chunks straight from the input; the last, zero-padded ones through `padded`.
-            const uint16_t* x = args.hidden + (c0 + t) * H;
-            uint8_t* row =
-                tiled_row(quantized ? ws.x_rows16.data() : ws.x_rows.data(), r + padding_before(e), Hp * 2);
-            store_tiled(row, 0, x, H_whole * 2);
-            if (H_whole < Hp) {
-              std::copy(x + H_whole, x + H, padded.begin());
-              std::fill(padded.begin() + (H - H_whole), padded.begin() + (Hp - H_whole), uint16_t{0});
-              store_tiled(row, H_whole * 2, padded.data(), (Hp - H_whole) * 2);
-            }
+            continue;
+          }
+          // Whole chunks straight from the input; the last, zero-padded ones through `padded`.
+          uint8_t* dst =
+              tiled_row(quantized ? ws.x_rows16.data() : ws.x_rows.data(), r + padding_before(e), Hp * 2);
+          store_tiled(dst, 0, x, H_whole * 2);
+          if (H_whole < Hp) {
+            std::copy(x + H_whole, x + H, padded.begin());
+            std::fill(padded.begin() + (H - H_whole), padded.begin() + (Hp - H_whole), uint16_t{0});
+            store_tiled(dst, H_whole * 2, padded.data(), (Hp - H_whole) * 2);
           }
         }
       }
@@ -718,21 +724,27 @@ void MoeLayer::forward_task(const ForwardArgs& args, const WorkerContext& ctx) {
       thread_local std::vector<const float*> parts;
       thread_local std::vector<float> sum;
       grow(parts, P), grow(sum, Hy);
-      for (int64_t t = ctx.tid; t < Tc; t += ctx.num_threads) {
+      // With fewer tokens than workers (decode) each token's columns are split among them.
+      const int64_t splits = std::max<int64_t>(1, ctx.num_threads / Tc);
+      const int64_t width = round_up((H + splits - 1) / splits, kPanelWidth);
+      for (int64_t item = ctx.tid; item < Tc * splits; item += ctx.num_threads) {
+        const int64_t t = item / splits, h0 = item % splits * width, n = std::min(H, h0 + width) - h0;
+        if (n <= 0) continue;
+        uint16_t* out = args.out + (c0 + t) * H + h0;
         if (ws.down_rows) {
-          std::fill_n(sum.data(), Hy, 0.0f);
+          std::fill_n(sum.data(), n, 0.0f);
           for (int j = 0; j < K; ++j) {
             const int64_t r = ws.slot_row[t * K + j];
             if (r < 0) continue;
             for (int p = 0; p < P; ++p)
               if (pools_[p]->i_end > pools_[p]->i_begin)  // an empty slice stored nothing
-                table_.add_weighted(sum.data(), ws.pools[p].y.data() + r * Hy, ws.row_weight[r], Hy);
+                table_.add_weighted(sum.data(), ws.pools[p].y.data() + r * Hy + h0, ws.row_weight[r], n);
           }
           parts[0] = sum.data();
-          table_.sum_to_bf16(parts.data(), 1, H, args.incremental, args.out + (c0 + t) * H);
+          table_.sum_to_bf16(parts.data(), 1, n, args.incremental, out);
         } else {
-          for (int p = 0; p < P; ++p) parts[p] = ws.pools[p].y.data() + t * Hy;
-          table_.sum_to_bf16(parts.data(), P, H, args.incremental, args.out + (c0 + t) * H);
+          for (int p = 0; p < P; ++p) parts[p] = ws.pools[p].y.data() + t * Hy + h0;
+          table_.sum_to_bf16(parts.data(), P, n, args.incremental, out);
         }
       }
     });
