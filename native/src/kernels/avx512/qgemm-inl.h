@@ -66,7 +66,7 @@ inline void gemm_quant_rows(int64_t K, const QuantRows& a, int i0, const uint8_t
         for (int u = 0; u < kChains / 2; ++u) {
           const __m512i v = _mm512_loadu_si512(w + (r + u) * 64);
           const __m512i lo = _mm512_and_si512(v, nibble);
-          const __m512i hi = _mm512_andnot_si512(nibble, v);  // 16 x the high nibble
+          const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
           for (int i = 0; i < kRows; ++i) {
             d[i][2 * u] = _mm512_dpbusd_epi32(d[i][2 * u], lo, _mm512_set1_epi32(lo_x[i][r + u]));
             d[i][2 * u + 1] = _mm512_dpbusd_epi32(d[i][2 * u + 1], hi, _mm512_set1_epi32(hi_x[i][r + u]));
@@ -76,14 +76,7 @@ inline void gemm_quant_rows(int64_t K, const QuantRows& a, int i0, const uint8_t
     const auto [ws, wm] = group_scales<M>(w + wbytes);
     for (int i = 0; i < kRows; ++i) {
       __m512i dsum = d[i][0];
-      if constexpr (M == Method::kInt8) {
-        for (int u = 1; u < kChains; ++u) dsum = _mm512_add_epi32(dsum, d[i][u]);
-      } else {  // odd chains hold 16 x the high nibbles' sums: exact multiples of 16
-        __m512i hsum = d[i][1];
-        for (int u = 2; u < kChains; u += 2) dsum = _mm512_add_epi32(dsum, d[i][u]);
-        for (int u = 3; u < kChains; u += 2) hsum = _mm512_add_epi32(hsum, d[i][u]);
-        dsum = _mm512_add_epi32(dsum, _mm512_srai_epi32(hsum, 4));
-      }
+      for (int u = 1; u < kChains; ++u) dsum = _mm512_add_epi32(dsum, d[i][u]);
       const __m512 t = _mm512_mul_ps(wm, _mm512_set1_ps(a.scaled_sum[i0 + i][gi]));
       acc[i] =
           _mm512_add_ps(acc[i], _mm512_fmadd_ps(_mm512_cvtepi32_ps(dsum),
