@@ -88,7 +88,7 @@ struct MoeWorkspace {
   std::vector<int64_t> counts, offsets, padded_offsets;  // [E], [E + 1], [E + 1]
   std::vector<int> active;                               // experts with at least one row
   std::vector<int32_t> row_token;                        // chunk-local token of each row
-  std::vector<int32_t> row_expert;
+  std::vector<int32_t> row_expert;                       // expert of each row
   std::vector<float> row_weight;
   // Set by worker 0, read by all after a barrier. Two flags: the start check and a chunk's routing
   // have no barrier between them, so one flag could be rewritten while a worker still reads it.
