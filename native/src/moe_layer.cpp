@@ -86,6 +86,7 @@ struct MoeWorkspace {
   // 32 in the gathered buffers (padded_offsets), so AMX reads them as tiles.
   int64_t tokens = 0;
   std::vector<int64_t> counts, offsets, padded_offsets;  // [E], [E + 1], [E + 1]
+  std::vector<int64_t> fill;                             // [E]: next free row of each expert
   std::vector<int> active;                               // experts with at least one row
   std::vector<int32_t> row_token;                        // chunk-local token of each row
   std::vector<int32_t> row_expert;                       // expert of each row
@@ -403,13 +404,13 @@ void MoeLayer::forward_task(const ForwardArgs& args, const WorkerContext& ctx) {
       }
       const int64_t R = ws.offsets[E], Rp = ws.padded_offsets[E];
       grow(ws.row_token, R), grow(ws.row_expert, R), grow(ws.row_weight, R), grow(ws.slot_row, Tc * K);
-      std::vector<int64_t> fill(ws.offsets.begin(), ws.offsets.end() - 1);
+      ws.fill.assign(ws.offsets.begin(), ws.offsets.end() - 1);  // no allocation per chunk
       for (int64_t t = 0; t < Tc; ++t)
         for (int j = 0; j < K; ++j) {
           const int64_t e = id_at(t, j);
           ws.slot_row[t * K + j] = -1;
           if (!computed_here(e)) continue;
-          const int64_t r = fill[e]++;
+          const int64_t r = ws.fill[e]++;
           ws.slot_row[t * K + j] = r;
           ws.row_token[r] = static_cast<int32_t>(t);
           ws.row_expert[r] = static_cast<int32_t>(e);
