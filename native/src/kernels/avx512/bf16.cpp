@@ -66,10 +66,14 @@ void gemm_bf16_tile(int64_t K, const Bf16Rows& a, int i0, const uint8_t* panel0,
 
 }  // namespace
 
+// Up to 4 rows, passes of one panel; more take the 6 x 4 tiles (Zen 4, Qwen3 experts of m rows,
+// passes against tiles: m = 5 x1.01-1.04, 6-8 x0.84-0.99).
+constexpr int kMaxRowBlockRows = 4;
+
 void gemm_bf16(int m, int64_t K, const Bf16Rows& a, const uint8_t* panels, int npanels, float* c,
                int64_t ldc) {
   const int64_t stride = panel_bytes(Method::kBf16, kKAlign, K);
-  if (m > kMaxDecodeRows) {
+  if (m > kMaxRowBlockRows) {
     // 6 x 4: 24 fp32 sums, 4 weight vectors and a broadcast fill the 32 registers (x1.04-1.06 over
     // the decode blocks at m = 32-256 on Zen 4, one vdpbf16ps per cycle).
     for_each_tile<6, 4>(m, npanels, [&](auto rows, auto tile_panels, int i0, int p0) {

@@ -1,8 +1,8 @@
-// The outer loops of the AVX-512 kernels. Small batches (decode, at most kMaxDecodeRows rows):
-// every panel with its rows in blocks of 4, then the 1-3 rows left over in one pass. Larger batches
-// (prefill) in the BF16 and int8-input kernels: tiles of rows x panels (../tiles.h) whose
-// accumulators all stay in registers, so each weight vector loaded serves every row of the tile and
-// each broadcast activation every panel.
+// The outer loops of the AVX-512 kernels. Small batches (decode: a few rows per expert, as many as
+// each kernel says): every panel with its rows in blocks of 4, then the 1-3 rows left over in one
+// pass. Larger batches (prefill) in the BF16 and int8-input kernels: tiles of rows x panels
+// (../tiles.h) whose accumulators all stay in registers, so each weight vector loaded serves every
+// row of the tile and each broadcast activation every panel.
 #pragma once
 
 #include "../tiles.h"
@@ -20,8 +20,6 @@ inline int64_t prefetch_distance(int64_t gbytes) {
   return (bytes + gbytes - 1) / gbytes * gbytes;
 }
 
-inline constexpr int kMaxDecodeRows = 4;
-
 // Calls rows(std::integral_constant<int, kRows>, i0, panel, out) for every panel with kRows = 4,
 // then once with the 1-3 rows left over; out[i] points at the 16 outputs of row i0 + i for `panel`.
 // One panel per pass: with the sums in registers (with_group) its kChains independent chains keep
@@ -31,7 +29,7 @@ inline constexpr int kMaxDecodeRows = 4;
 template <class F>
 inline void for_each_row_block(int m, const uint8_t* panels, int npanels, int64_t panel_stride, float* c,
                                int64_t ldc, F&& rows) {
-  for_each_tile<kMaxDecodeRows, 1>(m, npanels, [&](auto block, auto, int i0, int p) {
+  for_each_tile<4, 1>(m, npanels, [&](auto block, auto, int i0, int p) {
     float* out[decltype(block)::value];
     for (int i = 0; i < decltype(block)::value; ++i) out[i] = c + (i0 + i) * ldc + p * kPanelWidth;
     rows(block, i0, panels + p * panel_stride, out);
