@@ -40,10 +40,11 @@ void gemm_bf16_rows(int64_t K, const Bf16Rows& a, int i0, const uint8_t* w, floa
   }
 }
 
-// A prefill tile of kRows x kPanels fp32 sums in registers over all of K.
+// A prefill tile of kRows x kPanels fp32 sums in registers over all of K; never inlined, like
+// gemm_quant_tile, so that its code does not depend on the dispatcher around it.
 template <int kRows, int kPanels>
-void gemm_bf16_tile(int64_t K, const Bf16Rows& a, int i0, const uint8_t* panel0, int64_t panel_stride,
-                    float* c, int64_t ldc) {
+__attribute__((noinline)) void gemm_bf16_tile(int64_t K, const Bf16Rows& a, int i0, const uint8_t* panel0,
+                                              int64_t panel_stride, float* c, int64_t ldc) {
   __m512 acc[kRows][kPanels];
   for (int i = 0; i < kRows; ++i)
     for (int p = 0; p < kPanels; ++p) acc[i][p] = _mm512_setzero_ps();
