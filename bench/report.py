@@ -83,7 +83,7 @@ def plot(results: list[dict], out: Path) -> None:
             p = sorted((int(t), v["tokens_per_s"]) for t, v in r["prefill"].items())
             axes[0].plot(*zip(*d, strict=True), marker="o", label=label)
             axes[1].plot(*zip(*p, strict=True), marker="o", label=label)
-    axes[0].set(xscale="log", xlabel="decode tokens", ylabel="% of measured read bandwidth", ylim=(0, 110))
+    axes[0].set(xscale="log", xlabel="decode tokens", ylabel="% of measured read bandwidth", ylim=(0, 130))
     axes[1].set(xscale="log", yscale="log", xlabel="prefill tokens", ylabel="tokens / s")
     axes[0].axhline(80, color="gray", linestyle="--", linewidth=1)
     for ax in axes:
