@@ -65,11 +65,12 @@ __attribute__((noinline)) void gemm_bf16_tile(int64_t K, const Bf16Rows& a, int 
     for (int p = 0; p < kPanels; ++p) _mm512_storeu_ps(c + (i0 + i) * ldc + p * kPanelWidth, acc[i][p]);
 }
 
-}  // namespace
-
 // Up to 4 rows, passes of one panel; more take the 6 x 4 tiles (Zen 4, Qwen3 experts of m rows,
-// passes against tiles: m = 5 x1.01-1.04, 6-8 x0.84-0.99).
+// passes against tiles: m = 5 x1.01-1.04, 6-8 x0.84-0.99). Local to this file: the quantized
+// kernels' threshold of the same name is 8.
 constexpr int kMaxRowBlockRows = 4;
+
+}  // namespace
 
 void gemm_bf16(int m, int64_t K, const Bf16Rows& a, const uint8_t* panels, int npanels, float* c,
                int64_t ldc) {
