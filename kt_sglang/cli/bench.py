@@ -28,13 +28,14 @@ from pathlib import Path
 
 import torch
 
+from kt_sglang.engine.methods import method_names
+
 LAYERS = {
     # name: (hidden, intermediate, experts, top_k)
     "qwen3-30b-a3b": (2048, 768, 128, 8),
     "deepseek-v3": (7168, 2048, 64, 8),
     "quick": (1024, 384, 32, 4),
 }
-METHODS = ("BF16", "AMXINT8", "AMXINT4")
 DECODE_TOKENS = (1, 4, 16)
 PREFILL_TOKENS = (128, 512, 2048)
 
@@ -42,7 +43,7 @@ PREFILL_TOKENS = (128, 512, 2048)
 @dataclass
 class BenchConfig:
     layers: list[str] = field(default_factory=lambda: ["qwen3-30b-a3b", "deepseek-v3"])
-    methods: list[str] = field(default_factory=lambda: list(METHODS))
+    methods: list[str] = field(default_factory=lambda: method_names())
     threads: list[int] = field(default_factory=lambda: [2])
     decode_tokens: list[int] = field(default_factory=lambda: list(DECODE_TOKENS))
     prefill_tokens: list[int] = field(default_factory=lambda: list(PREFILL_TOKENS))
@@ -55,7 +56,7 @@ class BenchConfig:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="a small layer, few repeats (seconds)")
     p.add_argument("--layers", nargs="+", choices=sorted(LAYERS), help="layer shapes to run")
-    p.add_argument("--methods", nargs="+", choices=METHODS, help="methods to run")
+    p.add_argument("--methods", nargs="+", choices=method_names(), help="methods to run (default: all)")
     p.add_argument("--threads", nargs="+", type=int, help="thread counts (default: 2)")
     p.add_argument("--decode-tokens", nargs="+", type=int, help="decode batch sizes (default 1 4 16)")
     p.add_argument("--prefill-tokens", nargs="+", type=int, help="prefill sizes (default 128 512 2048)")

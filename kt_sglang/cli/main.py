@@ -21,6 +21,8 @@ def main(argv: list[str] | None = None) -> int:
         prog="kt-sglang",
         description="SGLang MoE serving with cold experts on the CPU engine of kt-sglang.",
     )
+    from kt_sglang.engine.methods import method_names
+
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("version", help="print the version of kt-sglang and of what it runs on")
     sub.add_parser("doctor", help="check this machine: CPU paths, AMX, NUMA, Python packages, GPU")
@@ -32,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     from kt_sglang.cli.demo import DEFAULT_WORKDIR
 
     demo.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR, help=f"default: {DEFAULT_WORKDIR}")
-    demo.add_argument("--method", default="AMXINT4", choices=["BF16", "AMXINT8", "AMXINT4"])
+    demo.add_argument("--method", default="AMXINT4", choices=method_names())
     demo.add_argument("--gpu-experts", type=int, default=2, help="hot experts per MoE layer (of 8)")
     demo.add_argument("--max-tokens", type=int, default=32)
     demo.add_argument("--threads", type=int, default=None, help="CPU expert threads (default: all cores)")
@@ -42,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         description="Any other argument goes to SGLang unchanged; --kt-* flags given win over ours.",
     )
     serve.add_argument("model", help="local Hugging Face model directory")
-    serve.add_argument("--method", default="AMXINT4", choices=["BF16", "AMXINT8", "AMXINT4"])
+    serve.add_argument("--method", default="AMXINT4", choices=method_names())
     chat = sub.add_parser("chat", help="interactive streaming chat with a running server")
     chat.add_argument("--url", default="http://127.0.0.1:30000")
     chat.add_argument("--max-tokens", type=int, default=256)

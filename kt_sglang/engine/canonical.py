@@ -1,12 +1,14 @@
 """Canonical quantized expert matrices: the ISA- and NUMA-independent format the engine packs from.
 
-One matrix ``W [N, K]`` (K not padded; the last group may be partial), as in
-``native/include/kt/quantize.h``:
+One matrix ``W [N, K]`` (K not padded; the last group may be partial) is the tensors its method's
+row of the native table lists (``METHODS[m].tensors``; ``native/include/kt/quantize.h``), e.g.
 
 - ``BF16``: ``weight`` bf16 ``[N, K]``
 - ``AMXINT8``: ``weight`` int8 ``[N, K]`` in -127..127, ``scales`` fp16 ``[N, G]``; w = scale * q
 - ``AMXINT4``: ``weight`` uint8 ``[N, ceil(K/2)]`` (low nibble = even k, q in 0..15), ``scales`` and
   ``mins`` fp16 ``[N, G]``; w = scale * q + min
+- ``FP8``: ``weight`` float8_e4m3fn ``[N, K]``, ``scales`` fp32 ``[ceil(N/128), ceil(K/128)]``
+- ``FP8_PERCHANNEL``: ``weight`` float8_e4m3fn ``[N, K]``, ``scales`` fp32 ``[N]``
 
 with ``G = ceil(K / group)``. The weight files of a later stage store exactly these tensors.
 """
@@ -17,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kt_sglang.engine.methods import Method, parse_method, resolve_group
+from kt_sglang.engine.methods import METHODS, Method, parse_method, resolve_group
 from kt_sglang.engine.native import NATIVE_DTYPES, _native
 
 
@@ -32,22 +34,38 @@ def canonical_layout(
     method: Method, group: int, N: int, K: int
 ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Expected shape and dtype of each tensor of one canonical matrix."""
-    G = -(-K // group)
-    if method is Method.BF16:
-        return {"weight": ((N, K), torch.bfloat16)}
-    if method is Method.AMXINT8:
-        return {"weight": ((N, K), torch.int8), "scales": ((N, G), torch.float16)}
-    return {
-        "weight": ((N, (K + 1) // 2), torch.uint8),
-        "scales": ((N, G), torch.float16),
-        "mins": ((N, G), torch.float16),
-    }
+    return {t.name: (t.shape_for(N, K, group), t.dtype) for t in METHODS[method].tensors}
+
+
+def dequantize(method: str | Method, m: CanonicalMatrix, K: int, group_size: int | None = None) -> torch.Tensor:
+    """The float32 ``[N, K]`` matrix a canonical one stands for, computed in torch (the tests'
+    reference, independent of the engine)."""
+    group = resolve_group(parse_method(method), group_size)
+    w = m.weight
+    if w.dtype == torch.uint8:  # two nibbles a byte, low = even k
+        q = torch.stack([w & 0x0F, w >> 4], dim=-1).reshape(w.shape[0], -1)[:, :K].float()
+    else:
+        q = w.float()
+    N = q.shape[0]
+
+    def expand(t: torch.Tensor) -> torch.Tensor:  # a scale table -> one value per weight
+        t = t.float()
+        if t.dim() == 1:
+            return t[:, None].expand(N, K)
+        if t.shape[0] != N:  # blocks of group x group
+            t = t.repeat_interleave(group, 0)[:N]
+        return t.repeat_interleave(group, 1)[:, :K]
+
+    out = q if m.scales is None else q * expand(m.scales)
+    return out if m.mins is None else out + expand(m.mins)
 
 
 def quantize(method: str | Method, w: torch.Tensor, group_size: int | None = None) -> CanonicalMatrix:
     """Quantizes a dense ``[N, K]`` bf16/fp16/fp32 CPU matrix (the engine's own quantizer)."""
     method = parse_method(method)
     group = resolve_group(method, group_size)
+    if not METHODS[method].quantizes_dense:
+        raise ValueError(f"{method.value} weights come from checkpoints as they are; it cannot quantize")
     if w.dim() != 2 or w.dtype not in NATIVE_DTYPES or w.device.type != "cpu":
         raise ValueError(
             f"need a 2-D bf16/fp16/fp32 CPU matrix, got {tuple(w.shape)} {w.dtype} on {w.device}"

@@ -1,58 +1,116 @@
-"""Weight methods (`--kt-method`), read from the native table (native/include/kt/quant_types.h)."""
+"""Weight methods (`--kt-method`), built from the native table (native/include/kt/quant_types.h).
+
+Nothing here names a method: the enum, the aliases, the canonical tensors, the group sizes and the
+test bounds all come from ``_native.method_table()``.
+"""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
 
+import torch
+
 from kt_sglang.engine.native import _native
 
-# Named by kt-kernel and accepted by SGLang's flag, not implemented by this engine (yet).
-UNSUPPORTED_METHODS = ("FP8", "RAWINT4", "GPTQ_INT4", "LLAMAFILE", "MOE_INT4", "MOE_INT8")
+# Named by kt-kernel and accepted by SGLang's flag, not implemented by this engine.
+UNSUPPORTED_METHODS = ("RAWINT4", "GPTQ_INT4", "LLAMAFILE", "MOE_INT4", "MOE_INT8")
+
+_TABLE = _native.method_table()
 
 
-class Method(str, enum.Enum):
-    BF16 = "BF16"
-    AMXINT8 = "AMXINT8"
-    AMXINT4 = "AMXINT4"
-
-    def is_quantized(self) -> bool:
-        return self is not Method.BF16
-
+class _MethodBase(str, enum.Enum):
     @property
     def native(self) -> _native.Method:
         return getattr(_native.Method, self.value)
+
+    @property
+    def info(self) -> MethodInfo:
+        return METHODS[self]
+
+    def is_quantized(self) -> bool:
+        """Whether the method stores scales (anything but plain bf16 weights)."""
+        return len(self.info.tensors) > 1
+
+
+Method = _MethodBase("Method", [(row["name"], row["name"]) for row in _TABLE])
+Method.__doc__ = "A weight method of the CPU engine; its values are the `--kt-method` names."
+
+_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+}
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One canonical tensor of a matrix ``W [N, K]``: its name, dtype and shape rule."""
+
+    name: str
+    dtype: torch.dtype
+    shape: str  # "N,K", "N,K/2", "N,K/group", "N/group,K/group" or "N" (each division rounds up)
+
+    def shape_for(self, N: int, K: int, group: int) -> tuple[int, ...]:
+        sizes = {"N": N, "K": K, "K/2": -(-K // 2), "K/group": -(-K // group), "N/group": -(-N // group)}
+        return tuple(sizes[part] for part in self.shape.split(","))
 
 
 @dataclass(frozen=True)
 class MethodInfo:
     method: Method
+    aliases: tuple[str, ...]
+    summary: str
     default_group: int
     allowed_groups: tuple[int, ...]
     int8_activations: bool
     int8_h: bool  # the down projection reads h quantized to int8 (else bf16)
+    weight_bits: int
+    quantizes_dense: bool  # the engine quantizes bf16/fp16/fp32 weights to it
+    tensors: tuple[TensorSpec, ...]
+    error_bound: float  # relative L2 error of a random layer against float32
+
+    @property
+    def bytes_per_weight(self) -> float:
+        return self.weight_bits / 8
 
 
 METHODS: dict[Method, MethodInfo] = {
     Method(row["name"]): MethodInfo(
         Method(row["name"]),
+        tuple(row["aliases"]),
+        row["summary"],
         row["default_group"],
         tuple(row["allowed_groups"]),
         row["int8_activations"],
         row["int8_h"],
+        row["weight_bits"],
+        row["quantizes_dense"],
+        tuple(TensorSpec(name, _DTYPES[dtype], shape) for name, dtype, shape in row["tensors"]),
+        row["error_bound"],
     )
-    for row in _native.method_table()
+    for row in _TABLE
 }
+
+_BY_NAME = {alias.upper(): m for m, info in METHODS.items() for alias in (m.value, *info.aliases)}
+
+
+def method_names() -> list[str]:
+    """Every `--kt-method` name, in the table's order (CLI choices)."""
+    return [m.value for m in Method]
 
 
 def parse_method(name: str | Method) -> Method:
-    """`--kt-method` value -> Method, with a message naming what is supported."""
+    """`--kt-method` value or alias (any case) -> Method, with a message naming what is supported."""
     if isinstance(name, Method):
         return name
     key = str(name).upper()
-    if key in Method.__members__:
-        return Method(key)
-    supported = ", ".join(m.value for m in Method)
+    if key in _BY_NAME:
+        return _BY_NAME[key]
+    supported = ", ".join(method_names())
     if key in UNSUPPORTED_METHODS:
         raise ValueError(f"method {name!r} is not supported yet by kt-sglang; use one of {supported}")
     raise ValueError(f"unknown method {name!r}; use one of {supported}")

@@ -18,7 +18,7 @@ import torch
 from tqdm import tqdm
 
 from kt_sglang.engine.canonical import quantize
-from kt_sglang.engine.methods import Method, resolve_group
+from kt_sglang.engine.methods import Method, method_names, parse_method, resolve_group
 from kt_sglang.weights.canonical_files import (
     INDEX,
     MANIFEST,
@@ -32,8 +32,14 @@ from kt_sglang.weights.canonical_files import (
 )
 from kt_sglang.weights.checkpoint import Checkpoint, CheckpointError
 
-METHODS = {"int4": Method.AMXINT4, "int8": Method.AMXINT8}
 INPUT_TYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.float8_e4m3fn}
+
+
+def _method_arg(name: str) -> Method:
+    try:
+        return parse_method(name)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
 def build_parser(prog: str = "kt-sglang convert-cpu") -> argparse.ArgumentParser:
@@ -44,10 +50,15 @@ def build_parser(prog: str = "kt-sglang convert-cpu") -> argparse.ArgumentParser
     )
     p.add_argument("--output", required=True, help="output directory (canonical format)")
     p.add_argument(
-        "--quant-method", required=True, choices=sorted(METHODS), help="int4 (AMXINT4) or int8 (AMXINT8)"
+        "--quant-method",
+        required=True,
+        type=_method_arg,
+        metavar="METHOD",
+        help="the --kt-method the output serves: " + ", ".join(method_names()) + " (kt-kernel's int4 / int8 "
+        "name AMXINT4 / AMXINT8)",
     )
     p.add_argument(
-        "--group-size", type=int, default=None, help="quantization group (32, 64, 128; default 64)"
+        "--group-size", type=int, default=None, help="quantization group (default: the method's own)"
     )
     p.add_argument(
         "--cpuinfer-threads", type=int, default=None, help="threads quantizing (default: all cores)"
@@ -76,7 +87,7 @@ def convert(args: argparse.Namespace) -> Path:
 
     ckpt = Checkpoint(args.input_path)
     spec = ckpt.spec
-    method = METHODS[args.quant_method]
+    method = args.quant_method
     group = resolve_group(method, args.group_size)
     first = spec.moe_layers[0] if spec.moe_layers else None
     if first is None:

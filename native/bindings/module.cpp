@@ -8,6 +8,7 @@
 #include "kt/kernels.h"
 #include "kt/membench.h"
 #include "kt/moe_layer.h"
+#include "kt/packing.h"
 #include "kt/quantize.h"
 #include "kt/runner.h"
 #include "kt/stream_forward.h"
@@ -25,10 +26,13 @@ T* ptr(uintptr_t p) {
 
 CanonicalMatrix canonical(Method method, int64_t N, int64_t K, int group, uintptr_t weight, uintptr_t scales,
                           uintptr_t mins) {
-  CanonicalMatrix m{method, N, K, method == Method::kBf16 ? kKAlign : group};
-  m.weight = ptr<void>(weight), m.scales = ptr<uint16_t>(scales), m.mins = ptr<uint16_t>(mins);
+  CanonicalMatrix m{method, N, K, group};
+  m.weight = ptr<void>(weight), m.scales = ptr<void>(scales), m.mins = ptr<void>(mins);
   return m;
 }
+
+const char* const kTensorDTypes[] = {"bfloat16", "float16", "float32", "int8", "uint8", "float8_e4m3fn"};
+const char* const kTensorShapes[] = {"N,K", "N,K/2", "N,K/group", "N/group,K/group", "N"};
 
 // Scratch shared by the layers of one runner; opaque to Python.
 struct Workspace {
@@ -40,27 +44,39 @@ struct Workspace {
 PYBIND11_MODULE(_native, m) {
   m.doc() = "kt-sglang native CPU expert engine";
 
-  py::enum_<Method>(m, "Method")
-      .value("BF16", Method::kBf16)
-      .value("AMXINT8", Method::kInt8)
-      .value("AMXINT4", Method::kInt4);
+  py::enum_<Method> method_enum(m, "Method");
+  for (const auto& t : kMethodTable) method_enum.value(t.name, t.method);
   py::enum_<DType>(m, "DType")
       .value("float32", DType::kFloat32)
       .value("float16", DType::kFloat16)
       .value("bfloat16", DType::kBFloat16);
 
+  // kMethodTable as Python data: what kt_sglang.engine.methods builds its enum, checks and CLI
+  // choices from.
   m.def("method_table", [] {
     py::list out;
     for (const auto& t : kMethodTable) {
-      py::list groups;
+      py::list groups, aliases, tensors;
       for (int g : t.allowed_groups)
         if (g) groups.append(g);
-      out.append(py::dict(py::arg("method") = t.method, py::arg("name") = t.name,
-                          py::arg("default_group") = t.default_group, py::arg("allowed_groups") = groups,
-                          py::arg("int8_activations") = t.int8_activations, py::arg("int8_h") = t.int8_h));
+      for (const char* a : t.aliases)
+        if (a) aliases.append(a);
+      for (const auto& c : t.tensors)
+        if (c.name)
+          tensors.append(py::make_tuple(c.name, kTensorDTypes[static_cast<int>(c.dtype)],
+                                        kTensorShapes[static_cast<int>(c.shape)]));
+      out.append(py::dict(
+          py::arg("method") = t.method, py::arg("name") = t.name, py::arg("aliases") = aliases,
+          py::arg("summary") = t.summary, py::arg("default_group") = t.default_group,
+          py::arg("allowed_groups") = groups,
+          py::arg("int8_activations") = t.gate_up_input == Activation::kInt8,
+          py::arg("int8_h") = t.down_input == Activation::kInt8, py::arg("weight_bits") = t.weight_bits,
+          py::arg("quantizes_dense") = t.quantizes_dense, py::arg("tensors") = tensors,
+          py::arg("error_bound") = t.error_bound));
     }
     return out;
   });
+  m.def("parse_method", [](const std::string& name) { return parse_method(name); });
   m.def("packed_group_bytes", [](Method method, int group) { return group_bytes(method, group); });
 
   m.def("cpu_features", [] {
@@ -87,11 +103,72 @@ PYBIND11_MODULE(_native, m) {
     const auto parsed = parse_isa(isa);
     if (!parsed) throw std::invalid_argument("unknown ISA '" + isa + "'");
     const KernelTable& t = kernel_table(*parsed);
-    return py::dict(py::arg("BF16") = isa_name(t.isa_bf16), py::arg("AMXINT8") = isa_name(t.isa_int8),
-                    py::arg("AMXINT4") = isa_name(t.isa_int4),
-                    py::arg("AMXINT8/AMXINT4 down projection (bf16 input)") = isa_name(t.isa_a16),
-                    py::arg("SiLU and weighted accumulation") = isa_name(t.isa_vector));
+    py::dict out;
+    for (const auto& mt : kMethodTable) {
+      const MethodKernels& k = t.method(mt.method);
+      out[py::str(std::string(mt.name) + " (bf16 input)")] = isa_name(k.isa_a16);
+      if (k.gemm_q8) out[py::str(std::string(mt.name) + " (int8 input)")] = isa_name(k.isa_q8);
+    }
+    out["SiLU and weighted accumulation"] = isa_name(t.isa_vector);
+    return out;
   });
+  // One method's GEMM of one ISA's table on packed panels (per-kernel tests): rows of bf16 (K
+  // values each) or int8 quantized per group (with their scales and scaled sums), plain row-major.
+  m.def(
+      "gemm",
+      [](const std::string& isa, Method method, bool int8_input, int m, int64_t K, int group, uintptr_t rows,
+         uintptr_t scales, uintptr_t sums, uintptr_t panels, int npanels, uintptr_t c) {
+        const auto parsed = parse_isa(isa);
+        if (!parsed) throw std::invalid_argument("unknown ISA '" + isa + "'");
+        const MethodKernels& k = kernel_table(*parsed).method(method);
+        if (m < 1 || K % group != 0 || K % kKAlign != 0)
+          throw std::invalid_argument("gemm: need m >= 1 and K a multiple of the group and of 64");
+        const int64_t ldc = int64_t{npanels} * kPanelWidth;
+        py::gil_scoped_release release;
+        if (int8_input) {
+          if (!k.gemm_q8) throw std::invalid_argument("this method has no int8-input kernel");
+          std::vector<const int8_t*> r(m);
+          std::vector<const float*> s(m), t(m);
+          for (int i = 0; i < m; ++i)
+            r[i] = ptr<const int8_t>(rows) + i * K, s[i] = ptr<const float>(scales) + i * (K / group),
+            t[i] = ptr<const float>(sums) + i * (K / group);
+          k.gemm_q8(m, K, group, QuantRows{r.data(), kChunkBytes, s.data(), t.data()}, ptr<const uint8_t>(panels),
+                    npanels, ptr<float>(c), ldc);
+        } else {
+          std::vector<const uint16_t*> r(m);
+          for (int i = 0; i < m; ++i) r[i] = ptr<const uint16_t>(rows) + i * K;
+          k.gemm_a16(m, K, group, Bf16Rows{r.data(), kChunkBytes}, ptr<const uint8_t>(panels), npanels,
+                     ptr<float>(c), ldc);
+        }
+      },
+      py::arg("isa"), py::arg("method"), py::arg("int8_input"), py::arg("m"), py::arg("K"), py::arg("group"),
+      py::arg("rows"), py::arg("scales"), py::arg("sums"), py::arg("panels"), py::arg("npanels"), py::arg("c"));
+  m.def(
+      "packed_bytes",
+      [](Method method, int group, int64_t N, int64_t K) {
+        return packed_matrix_bytes(method, group, PackRegion{0, round_up(N, kPanelWidth), 0, round_up(K, group)});
+      },
+      "Bytes of one packed [N, K] matrix (N padded to 16 channels, K to the group).");
+  m.def(
+      "pack_matrix",
+      [](Method method, int group, int64_t N, int64_t K, uintptr_t weight, uintptr_t scales, uintptr_t mins,
+         uintptr_t out) {
+        const CanonicalMatrix src = canonical(method, N, K, group, weight, scales, mins);
+        if (!src.complete()) throw std::invalid_argument("pack_matrix: a tensor of the method is missing");
+        const PackRegion region{0, round_up(N, kPanelWidth), 0, round_up(K, group)};
+        py::gil_scoped_release release;
+        pack_panels(src, region, 0, region.rows / kPanelWidth, ptr<uint8_t>(out));
+      },
+      "Packs a canonical [N, K] matrix into caller-allocated panels (packed_bytes long).");
+  m.def(
+      "quantize_activations",
+      [](uintptr_t x, int m, int64_t K, int group, uintptr_t q, uintptr_t scales, uintptr_t sums) {
+        if (K % group != 0) throw std::invalid_argument("K must be a multiple of the group");
+        for (int i = 0; i < m; ++i)
+          quantize_activation_row(ptr<const float>(x) + i * K, K, group, ptr<int8_t>(q) + i * K,
+                                  ptr<float>(scales) + i * (K / group), ptr<float>(sums) + i * (K / group));
+      },
+      "Quantizes fp32 rows [m, K] to int8 per group, as the engine does its activations.");
 
   // The element-wise kernels of one ISA's table, for tests (contiguous fp32 / bf16 buffers of n).
   auto table_of = [](const std::string& isa) -> const KernelTable& {

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "kt/kernels.h"
+#include "methods/registry.h"
 
 namespace kt {
 
@@ -12,54 +13,35 @@ namespace {
 
 KernelTable make_table(Isa isa) {
   const CpuFeatures& f = cpu_features();
-  KernelTable t{Isa::kScalar,
-                kernels::scalar::gemm_bf16,
-                kernels::scalar::gemm_int8,
-                kernels::scalar::gemm_int4,
-                kernels::scalar::gemm_int8_a16,
-                kernels::scalar::gemm_int4_a16,
-                kernels::scalar::silu_mul,
-                kernels::scalar::add_weighted,
-                kernels::scalar::sum_to_bf16,
-                0,
-                Isa::kScalar,
-                Isa::kScalar,
-                Isa::kScalar,
-                Isa::kScalar,
-                Isa::kScalar};
+  KernelTable t{};
   t.isa = isa;
+  // Each method's kernels from the highest family up to `isa` that has its own (kernel_rows in
+  // ascending ISA order per method).
+  for (const KernelRow& row : kernel_rows()) {
+    if (row.isa > isa || !row.usable(f)) continue;
+    MethodKernels& k = t.methods[static_cast<int>(row.method)];
+    if (row.gemm_q8) k.gemm_q8 = row.gemm_q8, k.isa_q8 = row.isa;
+    if (row.gemm_a16) k.gemm_a16 = row.gemm_a16, k.isa_a16 = row.isa;
+  }
+  t.silu_mul = kernels::scalar::silu_mul, t.add_weighted = kernels::scalar::add_weighted;
+  t.sum_to_bf16 = kernels::scalar::sum_to_bf16, t.isa_vector = Isa::kScalar;
   if (isa >= Isa::kAvx2) {
-    t.gemm_bf16 = kernels::avx2::gemm_bf16, t.isa_bf16 = Isa::kAvx2;
-    t.gemm_int8 = kernels::avx2::gemm_int8, t.isa_int8 = Isa::kAvx2;
-    t.gemm_int4 = kernels::avx2::gemm_int4, t.isa_int4 = Isa::kAvx2;
-    t.gemm_int8_a16 = kernels::avx2::gemm_int8_a16, t.gemm_int4_a16 = kernels::avx2::gemm_int4_a16;
-    t.isa_a16 = Isa::kAvx2;
     t.silu_mul = kernels::avx2::silu_mul, t.add_weighted = kernels::avx2::add_weighted;
-    t.sum_to_bf16 = kernels::avx2::sum_to_bf16;
-    t.isa_vector = Isa::kAvx2;
+    t.sum_to_bf16 = kernels::avx2::sum_to_bf16, t.isa_vector = Isa::kAvx2;
   }
   if (isa >= Isa::kAvx512) {
     t.silu_mul = kernels::avx512::silu_mul, t.add_weighted = kernels::avx512::add_weighted;
-    t.sum_to_bf16 = kernels::avx512::sum_to_bf16;
-    t.isa_vector = Isa::kAvx512;
-    if (f.avx512_bf16) t.gemm_bf16 = kernels::avx512::gemm_bf16, t.isa_bf16 = Isa::kAvx512;
-    if (f.avx512_vnni) {
-      t.gemm_int8 = kernels::avx512::gemm_int8, t.isa_int8 = Isa::kAvx512;
-      t.gemm_int4 = kernels::avx512::gemm_int4, t.isa_int4 = Isa::kAvx512;
-      t.gemm_int8_a16 = kernels::avx512::gemm_int8_a16, t.gemm_int4_a16 = kernels::avx512::gemm_int4_a16;
-      t.isa_a16 = Isa::kAvx512;
-    }
+    t.sum_to_bf16 = kernels::avx512::sum_to_bf16, t.isa_vector = Isa::kAvx512;
   }
-  if (isa >= Isa::kAmx) {
-    t.gemm_bf16 = kernels::amx::gemm_bf16, t.isa_bf16 = Isa::kAmx;
-    t.gemm_int8 = kernels::amx::gemm_int8, t.isa_int8 = Isa::kAmx;
-    t.gemm_int4 = kernels::amx::gemm_int4, t.isa_int4 = Isa::kAmx;
-    t.gemm_int8_a16 = kernels::amx::gemm_int8_a16, t.gemm_int4_a16 = kernels::amx::gemm_int4_a16;
-    t.isa_a16 = Isa::kAmx;
-    // Measured on the layer at 2048 tokens: DeepSeek (256 rows per expert, K 7168) x1.27-1.36,
-    // and since the int8 kernel's scratch pointer INT8 x0.98-1.02, INT4 x1.04-1.09; at 64 rows
-    // x0.92 and at Qwen3's 128 rows x0.95-1.04, so only from 160 rows.
-    t.gate_up_a16_min_rows = 160;
+  // Measured on the layer at 2048 tokens: DeepSeek (256 rows per expert, K 7168) x1.27-1.36,
+  // and since the int8 kernel's scratch pointer INT8 x0.98-1.02, INT4 x1.04-1.09; at 64 rows
+  // x0.92 and at Qwen3's 128 rows x0.95-1.04, so only from 160 rows.
+  if (isa >= Isa::kAmx) t.gate_up_a16_min_rows = 160;
+  for (const auto& m : kMethodTable) {
+    const MethodKernels& k = t.method(m.method);
+    const bool needs_q8 = m.gate_up_input == Activation::kInt8 || m.down_input == Activation::kInt8;
+    if (!k.gemm_a16 || (needs_q8 && !k.gemm_q8))
+      throw std::logic_error(std::string("method ") + m.name + " has no scalar kernel registered");
   }
   return t;
 }

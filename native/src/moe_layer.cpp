@@ -153,9 +153,13 @@ MoeLayer::MoeLayer(const MoeConfig& config, std::shared_ptr<Runner> runner,
   weight_prefetch_bytes();  // an invalid KT_SGLANG_PREFETCH_BYTES fails here, not in a worker
   const MethodTraits& traits = method_traits(config_.method);
   group_ = config_.group == 0 ? traits.default_group : config_.group;
-  if (!group_allowed(config_.method, group_))
-    throw std::invalid_argument("group size " + std::to_string(group_) + " is not allowed for " +
-                                traits.name + ": use 32, 64 or 128");
+  if (!group_allowed(config_.method, group_)) {
+    std::string allowed;
+    for (int g : traits.allowed_groups)
+      if (g) allowed += (allowed.empty() ? "" : ", ") + std::to_string(g);
+    throw std::invalid_argument("group size " + std::to_string(group_) + " is not allowed for " + traits.name +
+                                ": use " + allowed);
+  }
   if (config_.num_experts < 1 || config_.top_k < 1 || config_.top_k > config_.num_experts)
     throw std::invalid_argument("need 1 <= top_k <= num_experts");
   if (config_.hidden < 1 || config_.intermediate < 1)
@@ -224,9 +228,9 @@ namespace {
 struct OwnedCanonical {
   CanonicalMatrix m;
   std::vector<uint8_t> weight;
-  std::vector<uint16_t> scales, mins;
+  std::vector<float> scales, mins;  // 4 bytes a value or group: room for every method's tables
   void reset(Method method, int64_t N, int64_t K, int group) {
-    m = CanonicalMatrix{method, N, K, method == Method::kBf16 ? kKAlign : group};
+    m = CanonicalMatrix{method, N, K, group};
     grow(weight, static_cast<size_t>(N * m.weight_row_bytes()));
     grow(scales, static_cast<size_t>(N * m.num_groups()));
     grow(mins, static_cast<size_t>(N * m.num_groups()));
@@ -274,12 +278,10 @@ void MoeLayer::load_canonical(const std::vector<CanonicalMatrix>& gate,
       static_cast<int64_t>(down.size()) != E)
     throw std::invalid_argument("need one canonical gate, up and down matrix per expert");
   auto check = [&](const CanonicalMatrix& m, int64_t N, int64_t K, const char* what) {
-    const int group = config_.method == Method::kBf16 ? kKAlign : group_;
-    if (m.method != config_.method || m.N != N || m.K != K || m.group != group || !m.weight ||
-        (config_.method != Method::kBf16 && !m.scales) || (config_.method == Method::kInt4 && !m.mins))
+    if (m.method != config_.method || m.N != N || m.K != K || m.group != group_ || !m.complete())
       throw std::invalid_argument(
           std::string(what) + ": canonical matrix does not match the layer (method, shape [" +
-          std::to_string(N) + ", " + std::to_string(K) + "], group " + std::to_string(group) + ")");
+          std::to_string(N) + ", " + std::to_string(K) + "], group " + std::to_string(group_) + ")");
   };
   for (int64_t e = 0; e < E; ++e) {
     check(gate[e], I, H, "gate"), check(up[e], I, H, "up"), check(down[e], H, I, "down");
@@ -343,18 +345,19 @@ void MoeLayer::forward_task(const ForwardArgs& args, const WorkerContext& ctx) {
   MoeWorkspace& ws = *workspace_;
   const int E = config_.num_experts, K = config_.top_k;
   const int64_t H = config_.hidden, Hp = hidden_padded_, Hy = round_up(H, kPanelWidth);
-  const bool quantized = config_.method != Method::kBf16;
+  const MethodTraits& traits = method_traits(config_.method);
+  const MethodKernels& kernels = table_.method(config_.method);
+  // What the kernels read: gate/up int8 inputs quantized per (token, group) (else bf16), and the
+  // down projection an int8 h quantized per (row, group) (else bf16). The bf16-input kernel also
+  // runs gate/up of the experts with many rows (ws.a16) where it is the faster one.
+  const bool quantized = traits.gate_up_input == Activation::kInt8;
+  const bool int8_h = traits.down_input == Activation::kInt8;
   const int G = group_;
   const int64_t Gh = h_group();
-  const int64_t elem = quantized ? 1 : 2;  // bytes per activation value
+  const int64_t elem = quantized ? 1 : 2;  // bytes per gathered activation value
   const int P = static_cast<int>(pools_.size());
-  const bool int8 = config_.method == Method::kInt8;
-  const bool int8_h = method_traits(config_.method).int8_h;
-  const GemmQuantFn gemm_q = int8 ? table_.gemm_int8 : table_.gemm_int4;
-  // A16 (quantized weights x bf16 inputs): the down projection of the methods that keep h in bf16
-  // (MethodTraits::int8_h), and gate/up of the experts with many rows (ws.a16), where it runs
-  // faster than the int8-input kernel.
-  const GemmQuantA16Fn gemm_a16 = int8 ? table_.gemm_int8_a16 : table_.gemm_int4_a16;
+  const GemmQ8Fn gemm_q = kernels.gemm_q8;
+  const GemmA16Fn gemm_a16 = kernels.gemm_a16;
 
   // Records a failure and lets every worker reach the same barriers.
   auto guarded = [&](auto&& body) {
@@ -586,7 +589,7 @@ void MoeLayer::forward_task(const ForwardArgs& args, const WorkerContext& ctx) {
             gemm_q(m, Hp, G, a, w, panels, c_buf.data(), ldc);
           } else {
             point_rows(e, r0, m, ws.x_rows.data(), Hp * 2);
-            table_.gemm_bf16(m, Hp, bf16_rows, w, panels, c_buf.data(), ldc);
+            gemm_a16(m, Hp, G, bf16_rows, w, panels, c_buf.data(), ldc);
           }
           for (int i = 0; i < m; ++i) {
             uint8_t* h_row = tiled_row(ps.h_rows.data(), r0 + i + padding_before(e), slice * 2);
@@ -658,12 +661,9 @@ void MoeLayer::forward_task(const ForwardArgs& args, const WorkerContext& ctx) {
                               reinterpret_cast<const float* const*>(ptr_s.data()),
                               reinterpret_cast<const float* const*>(ptr_m.data())};
             gemm_q(m, slice, G, h, w, npan, c_buf.data(), ldc);
-          } else if (quantized) {
-            point_rows(e, r0, m, ps.h_rows.data(), slice * 2);
-            gemm_a16(m, slice, G, bf16_rows, w, npan, c_buf.data(), ldc);
           } else {
             point_rows(e, r0, m, ps.h_rows.data(), slice * 2);
-            table_.gemm_bf16(m, slice, bf16_rows, w, npan, c_buf.data(), ldc);
+            gemm_a16(m, slice, G, bf16_rows, w, npan, c_buf.data(), ldc);
           }
           for (int i = 0; i < m; ++i) {
             const float* c = c_buf.data() + i * ldc;

@@ -2,6 +2,8 @@
 
 #include <cstring>
 
+#include "methods/registry.h"
+
 namespace kt {
 
 int64_t packed_matrix_bytes(Method method, int group, const PackRegion& region) {
@@ -43,55 +45,54 @@ struct SourceView {
 
 }  // namespace
 
+void pack_group_bf16(const CanonicalMatrix& src, const PackRegion& region, int64_t n0, int64_t gi, uint8_t* dst) {
+  const SourceView v{src, region};
+  const int64_t k0 = gi * kKAlign;
+  auto* d = reinterpret_cast<uint16_t*>(dst);
+  for (int r = 0; r < kKAlign / 2; ++r)
+    for (int n = 0; n < kPanelWidth; ++n)
+      for (int j = 0; j < 2; ++j) d[(r * kPanelWidth + n) * 2 + j] = v.bf16(n0 + n, k0 + 2 * r + j);
+}
+
+void pack_group_int8(const CanonicalMatrix& src, const PackRegion& region, int64_t n0, int64_t gi, uint8_t* dst) {
+  const SourceView v{src, region};
+  const int group = src.group;
+  const int64_t k0 = gi * group;
+  for (int r = 0; r < group / 4; ++r)
+    for (int n = 0; n < kPanelWidth; ++n)
+      for (int j = 0; j < 4; ++j) dst[(r * kPanelWidth + n) * 4 + j] = v.int8_as_u8(n0 + n, k0 + 4 * r + j);
+  auto* s = reinterpret_cast<uint16_t*>(dst + group_weight_bytes(src.method, group));
+  for (int n = 0; n < kPanelWidth; ++n) s[n] = v.group_entry(static_cast<const uint16_t*>(src.scales), n0 + n, gi);
+}
+
+void pack_group_int4(const CanonicalMatrix& src, const PackRegion& region, int64_t n0, int64_t gi, uint8_t* dst) {
+  const SourceView v{src, region};
+  const int group = src.group;
+  const int64_t k0 = gi * group;
+  const int half = group / 8;  // rows of 4 K-values in each nibble half
+  for (int r = 0; r < half; ++r)
+    for (int n = 0; n < kPanelWidth; ++n)
+      for (int j = 0; j < 4; ++j) {
+        const uint8_t lo = v.nibble(n0 + n, k0 + 4 * r + j);
+        const uint8_t hi = v.nibble(n0 + n, k0 + 4 * (r + half) + j);
+        dst[(r * kPanelWidth + n) * 4 + j] = static_cast<uint8_t>(lo | (hi << 4));
+      }
+  auto* s = reinterpret_cast<uint16_t*>(dst + group_weight_bytes(src.method, group));
+  for (int n = 0; n < kPanelWidth; ++n) {
+    s[n] = v.group_entry(static_cast<const uint16_t*>(src.scales), n0 + n, gi);
+    s[kPanelWidth + n] = v.group_entry(static_cast<const uint16_t*>(src.mins), n0 + n, gi);
+  }
+}
+
 void pack_panels(const CanonicalMatrix& src, const PackRegion& region, int64_t panel_begin, int64_t panel_end,
                  uint8_t* out) {
-  const Method method = src.method;
-  const int group = method == Method::kBf16 ? kKAlign : src.group;
-  const SourceView v{src, region};
+  const int group = src.group;
   const int64_t groups = region.cols / group;
-  const int64_t pbytes = panel_bytes(method, group, region.cols);
-  for (int64_t p = panel_begin; p < panel_end; ++p) {
-    uint8_t* dst = out + p * pbytes;
-    const int64_t n0 = p * kPanelWidth;
-    for (int64_t gi = 0; gi < groups; ++gi) {
-      const int64_t k0 = gi * group;
-      switch (method) {
-        case Method::kBf16: {
-          auto* d = reinterpret_cast<uint16_t*>(dst);
-          for (int r = 0; r < group / 2; ++r)
-            for (int n = 0; n < kPanelWidth; ++n)
-              for (int j = 0; j < 2; ++j) d[(r * kPanelWidth + n) * 2 + j] = v.bf16(n0 + n, k0 + 2 * r + j);
-          break;
-        }
-        case Method::kInt8: {
-          for (int r = 0; r < group / 4; ++r)
-            for (int n = 0; n < kPanelWidth; ++n)
-              for (int j = 0; j < 4; ++j)
-                dst[(r * kPanelWidth + n) * 4 + j] = v.int8_as_u8(n0 + n, k0 + 4 * r + j);
-          auto* s = reinterpret_cast<uint16_t*>(dst + group_weight_bytes(method, group));
-          for (int n = 0; n < kPanelWidth; ++n) s[n] = v.group_entry(src.scales, n0 + n, gi);
-          break;
-        }
-        case Method::kInt4: {
-          const int half = group / 8;  // rows of 4 K-values in each nibble half
-          for (int r = 0; r < half; ++r)
-            for (int n = 0; n < kPanelWidth; ++n)
-              for (int j = 0; j < 4; ++j) {
-                const uint8_t lo = v.nibble(n0 + n, k0 + 4 * r + j);
-                const uint8_t hi = v.nibble(n0 + n, k0 + 4 * (r + half) + j);
-                dst[(r * kPanelWidth + n) * 4 + j] = static_cast<uint8_t>(lo | (hi << 4));
-              }
-          auto* s = reinterpret_cast<uint16_t*>(dst + group_weight_bytes(method, group));
-          for (int n = 0; n < kPanelWidth; ++n) {
-            s[n] = v.group_entry(src.scales, n0 + n, gi);
-            s[kPanelWidth + n] = v.group_entry(src.mins, n0 + n, gi);
-          }
-          break;
-        }
-      }
-      dst += group_bytes(method, group);
-    }
-  }
+  const int64_t gbytes = group_bytes(src.method, group);
+  const int64_t pbytes = panel_bytes(src.method, group, region.cols);
+  const auto pack_group = method_ops(src.method).pack_group;
+  for (int64_t p = panel_begin; p < panel_end; ++p)
+    for (int64_t gi = 0; gi < groups; ++gi) pack_group(src, region, p * kPanelWidth, gi, out + p * pbytes + gi * gbytes);
 }
 
 }  // namespace kt

@@ -1,5 +1,7 @@
 #include "kt/quantize.h"
 
+#include "methods/registry.h"
+
 #include <algorithm>
 #include <cmath>
 #include <stdexcept>
@@ -9,15 +11,17 @@
 namespace kt {
 
 int64_t CanonicalMatrix::weight_row_bytes() const {
-  switch (method) {
-    case Method::kBf16:
-      return K * 2;
-    case Method::kInt8:
-      return K;
-    case Method::kInt4:
-      return (K + 1) / 2;
-  }
-  return 0;
+  const CanonicalTensor& w = method_traits(method).tensors[0];
+  const int64_t bytes = w.dtype == TensorDType::kBf16 || w.dtype == TensorDType::kFp16 ? 2 : 1;
+  return w.shape == TensorShape::kNHalfK ? (K + 1) / 2 : K * bytes;
+}
+
+bool CanonicalMatrix::complete() const {
+  void* const tensors[] = {weight, scales, mins};
+  const auto& spec = method_traits(method).tensors;
+  for (int i = 0; i < 3; ++i)
+    if (spec[i].name && !tensors[i]) return false;
+  return true;
 }
 
 namespace {
@@ -144,17 +148,25 @@ void quantize_int4_row(const float* w, int64_t K, int group, uint8_t* packed, ui
 }  // namespace
 
 void quantize_rows(const void* src, DType dtype, CanonicalMatrix& dst, int64_t row_begin, int64_t row_end) {
-  if (!src || !dst.weight || (dst.method != Method::kBf16 && !dst.scales) ||
-      (dst.method == Method::kInt4 && !dst.mins))
-    throw std::invalid_argument("quantize: null source or destination tensor");
+  const MethodTraits& traits = method_traits(dst.method);
+  if (!traits.quantizes_dense)
+    throw std::invalid_argument(std::string("quantize: ") + traits.name + " cannot be made from dense weights");
+  if (!src || !dst.complete()) throw std::invalid_argument("quantize: null source or destination tensor");
   if (dst.N < 0 || dst.K < 1 || row_begin < 0 || row_end > dst.N || row_begin > row_end)
     throw std::invalid_argument("quantize: bad matrix shape or row range");
-  if (dst.method != Method::kBf16 && !group_allowed(dst.method, dst.group))
+  if (!group_allowed(dst.method, dst.group))
     throw std::invalid_argument("quantize: group size " + std::to_string(dst.group) + " is not allowed for " +
-                                method_traits(dst.method).name);
+                                traits.name);
+  method_ops(dst.method).quantize_rows(src, dtype, dst, row_begin, row_end);
+}
+
+void quantize_rows_rowwise(const void* src, DType dtype, CanonicalMatrix& dst, int64_t row_begin,
+                           int64_t row_end) {
   const int64_t K = dst.K;
   const int64_t G = dst.num_groups();
   const int64_t elem = dtype == DType::kFloat32 ? 4 : 2;
+  auto* scales = static_cast<uint16_t*>(dst.scales);
+  auto* mins = static_cast<uint16_t*>(dst.mins);
   std::vector<float> row(static_cast<size_t>(K));
   for (int64_t r = row_begin; r < row_end; ++r) {
     const void* s = static_cast<const char*>(src) + r * K * elem;
@@ -171,9 +183,9 @@ void quantize_rows(const void* src, DType dtype, CanonicalMatrix& dst, int64_t r
     }
     load_row(s, dtype, K, row.data());
     if (dst.method == Method::kInt8)
-      quantize_int8_row(row.data(), K, dst.group, reinterpret_cast<int8_t*>(out), dst.scales + r * G);
+      quantize_int8_row(row.data(), K, dst.group, reinterpret_cast<int8_t*>(out), scales + r * G);
     else
-      quantize_int4_row(row.data(), K, dst.group, out, dst.scales + r * G, dst.mins + r * G);
+      quantize_int4_row(row.data(), K, dst.group, out, scales + r * G, mins + r * G);
   }
 }
 

@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "kt/cpu_features.h"
+#include "kt/quant_types.h"
 
 namespace kt {
 
@@ -31,15 +32,14 @@ struct QuantRows {
 };
 
 // C[i][j] for rows i < m and channels j < 16 * npanels of the consecutive panels starting at
-// `panels` (layout in quant_types.h), K a multiple of the group; written, not accumulated.
-using GemmBf16Fn = void (*)(int m, int64_t K, const Bf16Rows& a, const uint8_t* panels, int npanels, float* c,
-                            int64_t ldc);
-using GemmQuantFn = void (*)(int m, int64_t K, int group, const QuantRows& a, const uint8_t* panels,
-                             int npanels, float* c, int64_t ldc);
-// Quantized (INT8/INT4) panels times bf16 activations ("A16"): the down projection of the
-// quantized methods, whose input h stays bf16 (int8 h was most of INT8's error).
-using GemmQuantA16Fn = void (*)(int m, int64_t K, int group, const Bf16Rows& a, const uint8_t* panels,
-                                int npanels, float* c, int64_t ldc);
+// `panels` (layout in quant_types.h), K a multiple of the group; written, not accumulated. Every
+// method has a bf16-input GEMM ("A16"); the methods whose activations are int8
+// (MethodTraits::gate_up_input / down_input) have an int8-input one ("Q8") as well. BF16 ignores
+// `group` (its panels have no scales).
+using GemmA16Fn = void (*)(int m, int64_t K, int group, const Bf16Rows& a, const uint8_t* panels, int npanels,
+                           float* c, int64_t ldc);
+using GemmQ8Fn = void (*)(int m, int64_t K, int group, const QuantRows& a, const uint8_t* panels, int npanels,
+                          float* c, int64_t ldc);
 
 // The element-wise steps around the GEMMs: h = bf16(silu(gate) * up), y += weight * c, and the
 // layer's output out = bf16((accumulate ? out : 0) + parts[0] + ... + parts[nparts - 1]) (the
@@ -49,21 +49,25 @@ using AddWeightedFn = void (*)(float* y, const float* c, float weight, int64_t n
 using SumToBf16Fn = void (*)(const float* const* parts, int nparts, int64_t n, bool accumulate,
                              uint16_t* out);
 
+// One method's GEMMs in a table, and which family each comes from (for doctor and tests).
+struct MethodKernels {
+  GemmQ8Fn gemm_q8 = nullptr;  // null for methods that never read int8 activations
+  GemmA16Fn gemm_a16 = nullptr;
+  Isa isa_q8 = Isa::kScalar, isa_a16 = Isa::kScalar;
+};
+
 struct KernelTable {
   Isa isa;
-  GemmBf16Fn gemm_bf16;
-  GemmQuantFn gemm_int8;
-  GemmQuantFn gemm_int4;
-  GemmQuantA16Fn gemm_int8_a16;
-  GemmQuantA16Fn gemm_int4_a16;
+  MethodKernels methods[kNumMethods];
   SiluMulFn silu_mul;
   AddWeightedFn add_weighted;
   SumToBf16Fn sum_to_bf16;
-  // INT8/INT4 experts with at least this many rows run gate/up through the A16 kernel too (bf16
-  // inputs, no per-group epilogue); 0: never (the int8-input kernel is faster at every size).
+  Isa isa_vector;
+  // Experts of methods with int8 gate/up inputs that have at least this many rows run gate/up
+  // through the A16 kernel (bf16 inputs, no per-group epilogue); 0: never (the int8-input kernel is
+  // faster at every size).
   int gate_up_a16_min_rows;
-  // Which family each entry comes from (for doctor and tests).
-  Isa isa_bf16, isa_int8, isa_int4, isa_a16, isa_vector;
+  const MethodKernels& method(Method m) const { return methods[static_cast<int>(m)]; }
 };
 
 // How far ahead (bytes) the AVX-512 small-batch kernels prefetch the weights they stream; 0: not
@@ -80,10 +84,12 @@ const KernelTable& kernel_table(Isa isa);
 Isa selected_isa();
 
 namespace kernels {
+// The BF16, INT8 and INT4 kernels of each family (src/kernels/<isa>/); other methods declare theirs
+// in their own folder (src/methods/<method>/).
 #define KT_DECLARE_KERNELS(ns)                                                                           \
   namespace ns {                                                                                         \
-  void gemm_bf16(int m, int64_t K, const Bf16Rows& a, const uint8_t* panels, int npanels, float* c,      \
-                 int64_t ldc);                                                                           \
+  void gemm_bf16(int m, int64_t K, int group, const Bf16Rows& a, const uint8_t* panels, int npanels,     \
+                 float* c, int64_t ldc);                                                                 \
   void gemm_int8(int m, int64_t K, int group, const QuantRows& a, const uint8_t* panels, int npanels,    \
                  float* c, int64_t ldc);                                                                 \
   void gemm_int4(int m, int64_t K, int group, const QuantRows& a, const uint8_t* panels, int npanels,    \

@@ -79,8 +79,8 @@ class MoeLayer {
   void pack_expert(int slot, const CanonicalMatrix& gate, const CanonicalMatrix& up,
                    const CanonicalMatrix& down);
   void forward_task(const ForwardArgs& args, const WorkerContext& ctx);
-  // Intermediate channels per gate/up work item: the quantization group, 64 for BF16.
-  int64_t h_group() const { return config_.method == Method::kBf16 ? kKAlign : group_; }
+  // Intermediate channels per gate/up work item: the quantization group (64 for BF16).
+  int64_t h_group() const { return group_; }
 
   MoeConfig config_;
   std::shared_ptr<Runner> runner_;

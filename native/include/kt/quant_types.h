@@ -1,15 +1,20 @@
-// THE table of weight methods and their packed layout. One source of truth: Python reads it through
-// the bindings (kt_sglang.engine.methods).
+// THE table of weight methods: one row per method says everything the engine and the Python side
+// need to know about it (name, canonical tensors, packed layout, what its kernels read, its test
+// bound). Python reads it through the bindings (kt_sglang.engine.methods); the kernels of each
+// method are registered per ISA in src/methods/registry.cpp. docs/engine.md ("Adding a method")
+// lists the files a new method touches.
 //
 // Packed layout (per weight matrix W[N, K], output channels N, reduction K): N in panels of 16
 // channels; a panel holds all of K in groups of `group` K-values; within a group the weights are in
-// VNNI order, i.e. 64-byte rows each holding 16 channels x (64 / 16 bytes) consecutive K-values:
-//   BF16: row r holds W[n][2r], W[n][2r+1] for n = 0..15            (AMX tdpbf16ps B tile rows)
-//   INT8: row r holds W[n][4r..4r+3] + 128 as u8 for n = 0..15     (AMX tdpbsud B tile rows)
-//   INT4: two such rows share a 64-byte row, nibbles q in 0..15: low nibble = row r, high nibble =
-//         row r + group/8 (so one AND and one shift give two int8 rows)
-// followed, for the quantized methods, by the group's fp16 scales: INT8 `scale[16]`
-// (w = scale * (u8 - 128)), INT4 `scale[16]`, `min[16]` (w = scale * q + min).
+// VNNI order, i.e. rows each holding 16 channels x a few consecutive K-values:
+//   BF16: 64-byte row r holds W[n][2r], W[n][2r+1] for n = 0..15     (AMX tdpbf16ps B tile rows)
+//   INT8: 64-byte row r holds W[n][4r..4r+3] + 128 as u8 for n = 0..15 (AMX tdpbsud B tile rows)
+//   INT4: two INT8-style rows share a 64-byte row, nibbles q in 0..15: low nibble = row r, high
+//         nibble = row r + group/8 (so one AND and one shift give two int8 rows)
+//   FP8:  32-byte row r holds the e4m3 bytes of W[n][2r], W[n][2r+1] for n = 0..15 (BF16's order at
+//         one byte a weight: decoding a row gives one BF16 row)
+// followed by the group's scale block, per channel: INT8 fp16 `scale[16]` (w = scale * (u8 - 128)),
+// INT4 fp16 `scale[16]`, `min[16]` (w = scale * q + min), FP8 fp32 `scale[16]` (w = scale * e4m3).
 #pragma once
 
 #include <cstdint>
@@ -19,42 +24,89 @@
 
 namespace kt {
 
-enum class Method : int { kBf16 = 0, kInt8 = 1, kInt4 = 2 };
+enum class Method : int { kBf16 = 0, kInt8 = 1, kInt4 = 2, kFp8 = 3, kFp8PerChannel = 4 };
+inline constexpr int kNumMethods = 5;
 
 inline constexpr int kPanelWidth = 16;  // output channels per panel
 inline constexpr int kKAlign = 64;      // K and the intermediate slices are padded to this
 
+// What a method's kernels read as activations: bf16 rows, or int8 rows quantized per (row, group).
+enum class Activation : int { kBf16 = 0, kInt8 = 1 };
+
+// One tensor of a canonical matrix W[N, K] (kt/quantize.h): its dtype and how its shape follows
+// from N, K and the group g.
+enum class TensorDType : int { kBf16 = 0, kFp16 = 1, kFp32 = 2, kInt8 = 3, kUint8 = 4, kFp8E4m3 = 5 };
+enum class TensorShape : int {
+  kNK = 0,         // [N, K]
+  kNHalfK = 1,     // [N, ceil(K / 2)]: two nibbles a byte
+  kNGroups = 2,    // [N, ceil(K / g)]: one value per row and group
+  kBlocks = 3,     // [ceil(N / g), ceil(K / g)]: one value per g x g block
+  kN = 4,          // [N]: one value per row
+};
+struct CanonicalTensor {
+  const char* name = nullptr;  // "weight", "scales" or "mins"; nullptr: unused slot
+  TensorDType dtype = TensorDType::kBf16;
+  TensorShape shape = TensorShape::kNK;
+};
+
 struct MethodTraits {
   Method method;
-  const char* name;       // as in --kt-method
-  int default_group;      // K-values per scale group; BF16 has no scales (group = kKAlign)
-  int allowed_groups[3];  // 0 = unused slot
-  bool int8_activations;  // gate/up inputs quantized per (token, group) to int8
-  // The down projection's input h quantized per (row, group) to int8 as well; else it stays bf16
-  // (the A16 kernels). INT8 keeps bf16: int8 h was most of its error (0.017 -> 0.014 at groups of
-  // 64). INT4 takes int8: the same ~0.01 adds little to its own 0.14 in quadrature, and its A16
-  // kernel needs four vpdpwssd per 64 bytes of weights where the int8-input one needs two.
-  bool int8_h;
+  const char* name;        // as in --kt-method
+  const char* aliases[2];  // accepted as well (any case), e.g. convert-cpu's int4; nullptr: unused
+  const char* summary;     // one line for --help and docs
+  int default_group;       // K-values per scale group; BF16 has no scales (group = kKAlign)
+  int allowed_groups[3];   // 0 = unused slot
+  // What gate/up and the down projection read. An int8 h was most of INT8's error (0.017 -> 0.014
+  // at groups of 64), so INT8 keeps bf16; INT4 takes int8: the same ~0.01 adds little to its own
+  // 0.14 in quadrature, and its bf16-input kernel needs four vpdpwssd per 64 bytes of weights where
+  // the int8-input one needs two.
+  Activation gate_up_input;
+  Activation down_input;
+  int weight_bits;        // packed bits per weight
+  int scale_bytes;        // packed scale bytes per channel and group
+  bool quantizes_dense;   // the engine quantizes bf16/fp16/fp32 matrices to it (kt/quantize.h)
+  CanonicalTensor tensors[3];
+  float error_bound;  // relative L2 error of a random layer against float32 (tests, check-engine)
 };
 
-// Defaults measured in docs/engine.md: INT8 groups of 64 reach rel. error 0.014 (per-channel:
-// 0.026); INT4 asymmetric groups of 64 with a searched clipping range reach 0.14.
-inline constexpr MethodTraits kMethodTable[] = {
-    {Method::kBf16, "BF16", kKAlign, {kKAlign, 0, 0}, false, false},
-    {Method::kInt8, "AMXINT8", 64, {32, 64, 128}, true, false},
-    {Method::kInt4, "AMXINT4", 64, {32, 64, 128}, true, true},
+// Bounds measured in docs/engine.md: INT8 groups of 64 reach rel. error 0.014 (per-channel:
+// 0.026); INT4 asymmetric groups of 64 with a searched clipping range reach 0.14; FP8 (the
+// checkpoint's own e4m3 values and 128 x 128 or per-channel scales, decoded exactly) ~0.03 against
+// the weights before FP8, and within bf16 rounding of the activations against its dequantized ones.
+inline constexpr MethodTraits kMethodTable[kNumMethods] = {
+    {Method::kBf16, "BF16", {nullptr, nullptr}, "bf16 weights (2 bytes per weight)", kKAlign,
+     {kKAlign, 0, 0}, Activation::kBf16, Activation::kBf16, 16, 0, true,
+     {{"weight", TensorDType::kBf16, TensorShape::kNK}}, 0.01f},
+    {Method::kInt8, "AMXINT8", {"INT8", nullptr}, "int8 weights, fp16 scale per group of K", 64,
+     {32, 64, 128}, Activation::kInt8, Activation::kBf16, 8, 2, true,
+     {{"weight", TensorDType::kInt8, TensorShape::kNK}, {"scales", TensorDType::kFp16, TensorShape::kNGroups}},
+     0.02f},
+    {Method::kInt4, "AMXINT4", {"INT4", nullptr}, "int4 weights, fp16 scale and min per group of K", 64,
+     {32, 64, 128}, Activation::kInt8, Activation::kInt8, 4, 4, true,
+     {{"weight", TensorDType::kUint8, TensorShape::kNHalfK},
+      {"scales", TensorDType::kFp16, TensorShape::kNGroups},
+      {"mins", TensorDType::kFp16, TensorShape::kNGroups}},
+     0.16f},
+    {Method::kFp8, "FP8", {"FP8_BLOCK", nullptr},
+     "float8 e4m3 weights, fp32 scale per 128 x 128 block (DeepSeek-V3, Qwen3-FP8)", 128, {128, 0, 0},
+     Activation::kBf16, Activation::kBf16, 8, 4, true,
+     {{"weight", TensorDType::kFp8E4m3, TensorShape::kNK}, {"scales", TensorDType::kFp32, TensorShape::kBlocks}},
+     0.06f},
+    {Method::kFp8PerChannel, "FP8_PERCHANNEL", {nullptr, nullptr},
+     "float8 e4m3 weights, fp32 scale per output channel (GLM-4.7-FP8)", 128, {128, 0, 0},
+     Activation::kBf16, Activation::kBf16, 8, 4, true,
+     {{"weight", TensorDType::kFp8E4m3, TensorShape::kNK}, {"scales", TensorDType::kFp32, TensorShape::kN}},
+     0.06f},
 };
 
-inline const MethodTraits& method_traits(Method m) {
+constexpr const MethodTraits& method_traits(Method m) {
   return kMethodTable[static_cast<int>(m)];
 }
 
-inline Method parse_method(std::string_view name) {
-  for (const auto& t : kMethodTable)
-    if (name == t.name) return t.method;
-  throw std::invalid_argument("unknown method '" + std::string(name) +
-                              "': expected one of BF16, AMXINT8, AMXINT4");
-}
+// --kt-method name or alias (any case) -> Method; throws naming the methods.
+Method parse_method(std::string_view name);
+// "BF16, AMXINT8, ..." for messages.
+std::string method_names();
 
 inline bool group_allowed(Method m, int group) {
   for (int g : method_traits(m).allowed_groups)
@@ -68,26 +120,10 @@ inline int64_t round_up(int64_t x, int64_t a) {
 
 // Bytes of one group of one panel: weights, then scales.
 constexpr int64_t group_weight_bytes(Method m, int group) {
-  switch (m) {
-    case Method::kBf16:
-      return int64_t{kPanelWidth} * group * 2;
-    case Method::kInt8:
-      return int64_t{kPanelWidth} * group;
-    case Method::kInt4:
-      return int64_t{kPanelWidth} * group / 2;
-  }
-  return 0;
+  return int64_t{kPanelWidth} * group * method_traits(m).weight_bits / 8;
 }
 constexpr int64_t group_scale_bytes(Method m) {
-  switch (m) {
-    case Method::kBf16:
-      return 0;
-    case Method::kInt8:
-      return kPanelWidth * 2;
-    case Method::kInt4:
-      return kPanelWidth * 4;
-  }
-  return 0;
+  return int64_t{kPanelWidth} * method_traits(m).scale_bytes;
 }
 constexpr int64_t group_bytes(Method m, int group) {
   return group_weight_bytes(m, group) + group_scale_bytes(m);

@@ -1,10 +1,13 @@
 // Canonical (ISA- and layout-independent) quantized weights, and int8 activation rows.
 //
-// Canonical tensors of one matrix W[N, K] (K not padded; the last group may be partial):
-//   BF16:    weight  bf16  [N, K]
-//   AMXINT8: qweight int8  [N, K] in -127..127,  scales fp16 [N, G]        w = scale * q
-//   AMXINT4: qweight uint8 [N, ceil(K/2)] nibbles q in 0..15, low nibble = even k,
-//            scales fp16 [N, G], mins fp16 [N, G]                          w = scale * q + min
+// Canonical tensors of one matrix W[N, K] (K not padded; the last group may be partial), as each
+// method's row of kMethodTable lists them:
+//   BF16:           weight bf16 [N, K]
+//   AMXINT8:        weight int8 [N, K] in -127..127,  scales fp16 [N, G]        w = scale * q
+//   AMXINT4:        weight uint8 [N, ceil(K/2)] nibbles q in 0..15, low nibble = even k,
+//                   scales fp16 [N, G], mins fp16 [N, G]                          w = scale * q + min
+//   FP8:            weight e4m3 [N, K], scales fp32 [ceil(N/128), ceil(K/128)]   w = scale * e4m3
+//   FP8_PERCHANNEL: weight e4m3 [N, K], scales fp32 [N]                          w = scale * e4m3
 // with G = ceil(K / group). docs/weight-format.md describes the files built from them.
 #pragma once
 
@@ -19,11 +22,13 @@ struct CanonicalMatrix {
   Method method;
   int64_t N = 0, K = 0;
   int group = 0;
-  void* weight = nullptr;      // bf16, int8 or packed uint8, row-major
-  uint16_t* scales = nullptr;  // fp16 [N, G] (quantized methods)
-  uint16_t* mins = nullptr;    // fp16 [N, G] (AMXINT4)
+  void* weight = nullptr;  // row-major, of the method's weight dtype
+  void* scales = nullptr;  // quantized methods
+  void* mins = nullptr;    // AMXINT4
   int64_t num_groups() const { return (K + group - 1) / group; }
   int64_t weight_row_bytes() const;
+  // Whether the tensors the method needs are all there.
+  bool complete() const;
 };
 
 // Quantizes rows [row_begin, row_end) of a dense matrix `src` [N, K] of dtype `dtype` into `dst`.

@@ -73,9 +73,9 @@ inline void block_steps(const uint8_t* A, const uint8_t* b0, const uint8_t* b1, 
 
 }  // namespace
 
-void gemm_bf16(int m, int64_t K, const Bf16Rows& a, const uint8_t* panels, int npanels, float* c,
+void gemm_bf16(int m, int64_t K, int group, const Bf16Rows& a, const uint8_t* panels, int npanels, float* c,
                int64_t ldc) {
-  if (m <= 4) return avx512::gemm_bf16(m, K, a, panels, npanels, c, ldc);
+  if (m <= 4) return avx512::gemm_bf16(m, K, group, a, panels, npanels, c, ldc);
   configure_tiles();
   const int64_t pbytes = panel_bytes(Method::kBf16, kKAlign, K);
   const int blocks = (m + kRowBlock - 1) / kRowBlock;

@@ -111,7 +111,7 @@ inline constexpr int64_t kDequantChunkBytes = 512 * 1024;
 
 template <Method M>
 void gemm_quant_a16(int m, int64_t K, int group, const Bf16Rows& a, const uint8_t* panels, int npanels,
-                    float* c, int64_t ldc, GemmQuantA16Fn small) {
+                    float* c, int64_t ldc, GemmA16Fn small) {
   if (m <= 4) return small(m, K, group, a, panels, npanels, c, ldc);
   const int64_t pbytes = panel_bytes(M, group, K), gbytes = group_bytes(M, group);
   const int64_t group_bf16_bytes = group * kPanelWidth * 2;  // one group of one panel, dequantized
@@ -142,10 +142,10 @@ void gemm_quant_a16(int m, int64_t K, int group, const Bf16Rows& a, const uint8_
     for (int i = 0; i < m; ++i) rows[i] = a.rows[i] + first_chunk * a.chunk_stride / 2;
     const Bf16Rows chunk_rows{rows.data(), a.chunk_stride};
     if (g0 == 0) {
-      gemm_bf16(m, kc, chunk_rows, out, npanels, c, ldc);
+      gemm_bf16(m, kc, kKAlign, chunk_rows, out, npanels, c, ldc);
       continue;
     }
-    gemm_bf16(m, kc, chunk_rows, out, npanels, part.data(), width);
+    gemm_bf16(m, kc, kKAlign, chunk_rows, out, npanels, part.data(), width);
     for (int i = 0; i < m; ++i)
       for (int j = 0; j < width; j += 16)
         _mm512_storeu_ps(c + i * ldc + j, _mm512_add_ps(_mm512_loadu_ps(c + i * ldc + j),

@@ -56,7 +56,7 @@ void gemm_bf16_tile(int64_t K, const Bf16Rows& a, int i0, const uint8_t* w, floa
 
 }  // namespace
 
-void gemm_bf16(int m, int64_t K, const Bf16Rows& a, const uint8_t* panels, int npanels, float* c,
+void gemm_bf16(int m, int64_t K, int, const Bf16Rows& a, const uint8_t* panels, int npanels, float* c,
                int64_t ldc) {
   const int64_t stride = panel_bytes(Method::kBf16, kKAlign, K);
   for_each_tile<kRows, 1>(m, npanels, [&](auto rows, auto, int i0, int p) {

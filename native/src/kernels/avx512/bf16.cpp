@@ -72,7 +72,7 @@ constexpr int kMaxRowBlockRows = 4;
 
 }  // namespace
 
-void gemm_bf16(int m, int64_t K, const Bf16Rows& a, const uint8_t* panels, int npanels, float* c,
+void gemm_bf16(int m, int64_t K, int, const Bf16Rows& a, const uint8_t* panels, int npanels, float* c,
                int64_t ldc) {
   const int64_t stride = panel_bytes(Method::kBf16, kKAlign, K);
   if (m > kMaxRowBlockRows) {

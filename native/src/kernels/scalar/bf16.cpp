@@ -5,7 +5,7 @@
 
 namespace kt::kernels::scalar {
 
-void gemm_bf16(int m, int64_t K, const Bf16Rows& a, const uint8_t* panels, int npanels, float* c,
+void gemm_bf16(int m, int64_t K, int, const Bf16Rows& a, const uint8_t* panels, int npanels, float* c,
                int64_t ldc) {
   const int64_t pbytes = panel_bytes(Method::kBf16, kKAlign, K);
   for (int p = 0; p < npanels; ++p) {

@@ -1,0 +1,162 @@
+// AVX-512 BF16 FP8 GEMM: each 32-byte packed row (16 channels x 2 K-values) is decoded to one row of
+// 32 bf16 in registers and multiplied by vdpbf16ps, as the BF16 kernel does with its stored rows.
+// Decode (up to 4 rows of A): passes of one panel, decoding in the pass. Prefill: a tile's panels
+// are decoded once per K-chunk into a bf16 buffer (BF16's packed layout) that every row tile then
+// reads, so the decode costs a small share of a call whatever its rows.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <stdexcept>
+
+#include "../../kernels/activations.h"
+#include "../../kernels/avx512/row_blocks-inl.h"
+#include "../../kernels/tiles.h"
+#include "fp8.h"
+#include "kt/aligned_vector.h"
+
+namespace kt::kernels::avx512 {
+
+namespace {
+
+constexpr int kGroup = fp8::kBlock;
+constexpr int64_t kGroupBytes = group_bytes(Method::kFp8, kGroup);
+constexpr int64_t kWeightBytes = group_weight_bytes(Method::kFp8, kGroup);
+// The decoded values are the weights / 256 (below); the scales make up for it.
+constexpr float kDecodedScale = 256.0f;
+
+// One packed row of 32 e4m3 bytes -> 32 bf16 holding value / 256, exactly. Shifted left by 7, an
+// e4m3 byte's exponent and mantissa sit where fp16 keeps its low four exponent bits and top three
+// mantissa bits, which reads as value * 2^-8 (subnormals included: fp16's are wider); the sign,
+// landed on bit 14, moves to bit 15 by adding it to itself. fp16 -> fp32 -> bf16 is then exact.
+inline __m512bh decode_row(const uint8_t* p) {
+  const __m512i x = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  const __m512i y = _mm512_slli_epi16(x, 7);
+  const __m512i h = _mm512_add_epi16(y, _mm512_and_si512(y, _mm512_set1_epi16(0x4000)));
+  const __m512 lo = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
+  const __m512 hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+  return _mm512_cvtne2ps_pbh(hi, lo);
+}
+
+inline __m512 group_scale(const uint8_t* group) {
+  return _mm512_mul_ps(_mm512_loadu_ps(reinterpret_cast<const float*>(group + kWeightBytes)),
+                       _mm512_set1_ps(kDecodedScale));
+}
+
+// kRows rows of one panel per pass (decode), the group's sums in kChains chains per row.
+template <int kRows>
+void gemm_fp8_rows(int64_t K, const Bf16Rows& a, int i0, const uint8_t* panel, float* const* out) {
+  constexpr int kChains = kRows == 1 ? 4 : 2;
+  const int64_t ahead = weight_prefetch_bytes();
+  __m512 total[kRows];
+  for (int i = 0; i < kRows; ++i) total[i] = _mm512_setzero_ps();
+  for (int64_t gi = 0; gi < K / kGroup; ++gi) {
+    const uint8_t* w = panel + gi * kGroupBytes;
+    for (int64_t off = 0; ahead > 0 && off < kGroupBytes; off += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(w) + ahead + off, _MM_HINT_T0);
+    __m512 acc[kRows][kChains];
+    for (int i = 0; i < kRows; ++i)
+      for (int u = 0; u < kChains; ++u) acc[i][u] = _mm512_setzero_ps();
+    for (int k = 0; k < kGroup; k += 32) {  // one 64-byte chunk of each row: 16 K-pairs
+      const int32_t* x[kRows];
+      for (int i = 0; i < kRows; ++i)
+        x[i] = reinterpret_cast<const int32_t*>(bf16_at(a, i0 + i, gi * kGroup + k));
+      for (int j = 0; j < 16; j += kChains)
+        for (int u = 0; u < kChains; ++u) {
+          const __m512bh wv = decode_row(w + (k / 2 + j + u) * 32);
+          for (int i = 0; i < kRows; ++i)
+            acc[i][u] = _mm512_dpbf16_ps(acc[i][u], (__m512bh)_mm512_set1_epi32(x[i][j + u]), wv);
+        }
+    }
+    const __m512 scale = group_scale(w);
+    for (int i = 0; i < kRows; ++i) {
+      __m512 sum = acc[i][0];
+      for (int u = 1; u < kChains; ++u) sum = _mm512_add_ps(sum, acc[i][u]);
+      total[i] = _mm512_fmadd_ps(sum, scale, total[i]);
+    }
+  }
+  for (int i = 0; i < kRows; ++i) _mm512_storeu_ps(out[i], total[i]);
+}
+
+// K-values decoded per step of a prefill call: 4 panels x 512 x 2 bytes = 64 KiB of bf16, read by
+// every row tile from L2.
+constexpr int64_t kChunkK = 512;
+
+// Groups [g0, g1) of a tile of kRows x kPanels from the decoded rows `dec` (panel p's row r at
+// dec + (p * kChunkK / 2 + r) * 32 bf16, r counted from group g0), adding each group's sums times
+// its scales into C (the sums of earlier groups live there; g0 == 0 writes C first).
+template <int kRows, int kPanels>
+__attribute__((noinline)) void gemm_fp8_tile(const Bf16Rows& a, int i0, const uint16_t* dec,
+                                             const uint8_t* panel0, int64_t panel_stride, int64_t g0, int64_t g1,
+                                             float* c, int64_t ldc) {
+  for (int64_t gi = g0; gi < g1; ++gi) {
+    __m512 acc[kRows][kPanels];
+    for (int i = 0; i < kRows; ++i)
+      for (int p = 0; p < kPanels; ++p) acc[i][p] = _mm512_setzero_ps();
+    const uint16_t* dg = dec + (gi - g0) * kGroup / 2 * 32;
+    for (int k = 0; k < kGroup; k += 32) {
+      const int32_t* x[kRows];
+      for (int i = 0; i < kRows; ++i)
+        x[i] = reinterpret_cast<const int32_t*>(bf16_at(a, i0 + i, gi * kGroup + k));
+      for (int j = 0; j < 16; ++j) {
+        __m512bh wv[kPanels];
+        for (int p = 0; p < kPanels; ++p)
+          wv[p] = (__m512bh)_mm512_load_si512(dg + (p * kChunkK / 2 + k / 2 + j) * 32);
+        for (int i = 0; i < kRows; ++i) {
+          const __m512bh xv = (__m512bh)_mm512_set1_epi32(x[i][j]);
+          for (int p = 0; p < kPanels; ++p) acc[i][p] = _mm512_dpbf16_ps(acc[i][p], xv, wv[p]);
+        }
+      }
+    }
+    for (int p = 0; p < kPanels; ++p) {
+      const __m512 scale = group_scale(panel0 + p * panel_stride + gi * kGroupBytes);
+      for (int i = 0; i < kRows; ++i) {
+        float* out = c + (i0 + i) * ldc + p * kPanelWidth;
+        const __m512 sum = gi == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(out);
+        _mm512_storeu_ps(out, _mm512_fmadd_ps(acc[i][p], scale, sum));
+      }
+    }
+  }
+}
+
+// Up to 4 rows, passes of one panel (as BF16, whose 6 x 4 tiles win from 5 rows on).
+constexpr int kMaxRowBlockRows = 4;
+constexpr int kTileRows = 6, kTilePanels = 4;
+
+}  // namespace
+
+void gemm_fp8(int m, int64_t K, int group, const Bf16Rows& a, const uint8_t* panels, int npanels, float* c,
+              int64_t ldc) {
+  if (group != kGroup) throw std::invalid_argument("FP8 kernels take groups of 128");
+  const int64_t stride = panel_bytes(Method::kFp8, kGroup, K);
+  if (m <= kMaxRowBlockRows) {
+    for_each_row_block(m, panels, npanels, stride, c, ldc,
+                       [&](auto rows, int i0, const uint8_t* panel, float* const* out) {
+                         gemm_fp8_rows<decltype(rows)::value>(K, a, i0, panel, out);
+                       });
+    return;
+  }
+  thread_local AlignedVector<uint16_t> decoded;
+  if (decoded.size() < static_cast<size_t>(kTilePanels * kChunkK * kPanelWidth))
+    decoded.resize(kTilePanels * kChunkK * kPanelWidth);
+  for (int p0 = 0; p0 < npanels; p0 += kTilePanels)
+    with_count<kTilePanels>(std::min(kTilePanels, npanels - p0), [&](auto tile_panels) {
+      constexpr int kPanels = decltype(tile_panels)::value;
+      const uint8_t* panel0 = panels + p0 * stride;
+      for (int64_t k0 = 0; k0 < K; k0 += kChunkK) {
+        const int64_t g0 = k0 / kGroup, g1 = std::min(K, k0 + kChunkK) / kGroup;
+        for (int p = 0; p < kPanels; ++p)
+          for (int64_t gi = g0; gi < g1; ++gi) {
+            const uint8_t* w = panel0 + p * stride + gi * kGroupBytes;
+            uint16_t* d = decoded.data() + (p * kChunkK / 2 + (gi - g0) * kGroup / 2) * 32;
+            for (int r = 0; r < kGroup / 2; ++r) _mm512_store_si512(d + r * 32, (__m512i)decode_row(w + r * 32));
+          }
+        for (int i0 = 0; i0 < m; i0 += kTileRows)
+          with_count<kTileRows>(std::min(kTileRows, m - i0), [&](auto rows) {
+            gemm_fp8_tile<decltype(rows)::value, kPanels>(a, i0, decoded.data(), panel0, stride, g0, g1,
+                                                          c + p0 * kPanelWidth, ldc);
+          });
+      }
+    });
+}
+
+}  // namespace kt::kernels::avx512

@@ -1,0 +1,47 @@
+// FP8 and FP8_PERCHANNEL: float8 e4m3 weights as checkpoints ship them, with fp32 scales per
+// 128 x 128 block (DeepSeek-V3, Qwen3-FP8, ...) or per output channel (GLM-4.7-FP8). Both pack into
+// one layout (quant_types.h: BF16's pair order at one byte a weight, then each group's 16 channel
+// scales in fp32), so they share every kernel: a kernel decodes e4m3 to bf16 or fp32 in registers
+// (exact: e4m3 has 4 significant bits) and multiplies the group's sums by its scales.
+#pragma once
+
+#include <cstdint>
+
+#include "kt/kernels.h"
+#include "kt/packing.h"
+#include "kt/quantize.h"
+
+namespace kt::fp8 {
+
+inline constexpr int kBlock = 128;  // K-values per packed group; FP8's scale blocks are 128 x 128
+
+// e4m3fn (no infinities; S.1111.111 is NaN) to float, exact.
+float e4m3_to_float(uint8_t bits);
+// Round to nearest even, saturating at +-448 (the largest finite e4m3fn).
+uint8_t float_to_e4m3(float x);
+inline bool e4m3_is_nan(uint8_t bits) {
+  return (bits & 0x7f) == 0x7f;
+}
+
+// Group `gi` of the panel whose first channel is packed row n0, into `dst` (group_bytes long).
+// Throws naming the row and column of a NaN weight.
+void pack_group(const CanonicalMatrix& src, const PackRegion& region, int64_t n0, int64_t gi, uint8_t* dst);
+
+// Rows [row_begin, row_end) of a dense matrix quantized to e4m3 with amax / 448 scales (per block
+// of 128 x 128, or per row); a block method needs whole blocks of rows.
+void quantize_rows(const void* src, DType dtype, CanonicalMatrix& dst, int64_t row_begin, int64_t row_end);
+
+}  // namespace kt::fp8
+
+namespace kt::kernels {
+// The A16 GEMM of both FP8 methods, per family (src/methods/fp8/<isa>.cpp).
+#define KT_DECLARE_FP8(ns)                                                                           \
+  namespace ns {                                                                                     \
+  void gemm_fp8(int m, int64_t K, int group, const Bf16Rows& a, const uint8_t* panels, int npanels, \
+                float* c, int64_t ldc);                                                              \
+  }
+KT_DECLARE_FP8(scalar)
+KT_DECLARE_FP8(avx2)
+KT_DECLARE_FP8(avx512)
+#undef KT_DECLARE_FP8
+}  // namespace kt::kernels

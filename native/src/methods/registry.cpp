@@ -1,0 +1,87 @@
+// The functions behind each row of kMethodTable: one MethodOps per method, and one KernelRow per
+// method and ISA family that has kernels of its own.
+#include "registry.h"
+
+#include <cctype>
+#include <stdexcept>
+#include <string>
+
+#include "fp8/fp8.h"
+
+namespace kt {
+
+namespace {
+
+bool always(const CpuFeatures&) {
+  return true;
+}
+bool has_avx512_bf16(const CpuFeatures& f) {
+  return f.avx512_bf16;
+}
+bool has_avx512_vnni(const CpuFeatures& f) {
+  return f.avx512_vnni;
+}
+
+constexpr MethodOps kOps[kNumMethods] = {
+    {pack_group_bf16, quantize_rows_rowwise},  // BF16
+    {pack_group_int8, quantize_rows_rowwise},  // AMXINT8
+    {pack_group_int4, quantize_rows_rowwise},  // AMXINT4
+    {fp8::pack_group, fp8::quantize_rows},     // FP8
+    {fp8::pack_group, fp8::quantize_rows},     // FP8_PERCHANNEL
+};
+
+namespace k = kernels;
+constexpr KernelRow kKernels[] = {
+    {Method::kBf16, Isa::kScalar, always, nullptr, k::scalar::gemm_bf16},
+    {Method::kBf16, Isa::kAvx2, always, nullptr, k::avx2::gemm_bf16},
+    {Method::kBf16, Isa::kAvx512, has_avx512_bf16, nullptr, k::avx512::gemm_bf16},
+    {Method::kBf16, Isa::kAmx, always, nullptr, k::amx::gemm_bf16},
+    {Method::kInt8, Isa::kScalar, always, k::scalar::gemm_int8, k::scalar::gemm_int8_a16},
+    {Method::kInt8, Isa::kAvx2, always, k::avx2::gemm_int8, k::avx2::gemm_int8_a16},
+    {Method::kInt8, Isa::kAvx512, has_avx512_vnni, k::avx512::gemm_int8, k::avx512::gemm_int8_a16},
+    {Method::kInt8, Isa::kAmx, always, k::amx::gemm_int8, k::amx::gemm_int8_a16},
+    {Method::kInt4, Isa::kScalar, always, k::scalar::gemm_int4, k::scalar::gemm_int4_a16},
+    {Method::kInt4, Isa::kAvx2, always, k::avx2::gemm_int4, k::avx2::gemm_int4_a16},
+    {Method::kInt4, Isa::kAvx512, has_avx512_vnni, k::avx512::gemm_int4, k::avx512::gemm_int4_a16},
+    {Method::kInt4, Isa::kAmx, always, k::amx::gemm_int4, k::amx::gemm_int4_a16},
+    {Method::kFp8, Isa::kScalar, always, nullptr, k::scalar::gemm_fp8},
+    {Method::kFp8, Isa::kAvx2, always, nullptr, k::avx2::gemm_fp8},
+    {Method::kFp8, Isa::kAvx512, has_avx512_bf16, nullptr, k::avx512::gemm_fp8},
+    {Method::kFp8PerChannel, Isa::kScalar, always, nullptr, k::scalar::gemm_fp8},
+    {Method::kFp8PerChannel, Isa::kAvx2, always, nullptr, k::avx2::gemm_fp8},
+    {Method::kFp8PerChannel, Isa::kAvx512, has_avx512_bf16, nullptr, k::avx512::gemm_fp8},
+};
+
+std::string upper(std::string_view s) {
+  std::string out(s);
+  for (char& c : out) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  return out;
+}
+
+}  // namespace
+
+const MethodOps& method_ops(Method m) {
+  return kOps[static_cast<int>(m)];
+}
+
+std::span<const KernelRow> kernel_rows() {
+  return kKernels;
+}
+
+std::string method_names() {
+  std::string out;
+  for (const auto& t : kMethodTable) out += (out.empty() ? "" : ", ") + std::string(t.name);
+  return out;
+}
+
+Method parse_method(std::string_view name) {
+  const std::string key = upper(name);
+  for (const auto& t : kMethodTable) {
+    if (key == t.name) return t.method;
+    for (const char* alias : t.aliases)
+      if (alias && key == alias) return t.method;
+  }
+  throw std::invalid_argument("unknown method '" + std::string(name) + "': expected one of " + method_names());
+}
+
+}  // namespace kt
