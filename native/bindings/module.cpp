@@ -3,6 +3,9 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cstring>
+
+#include "kt/aligned_vector.h"
 #include "kt/cpu_features.h"
 #include "kt/cuda_host.h"
 #include "kt/kernels.h"
@@ -112,8 +115,9 @@ PYBIND11_MODULE(_native, m) {
     out["SiLU and weighted accumulation"] = isa_name(t.isa_vector);
     return out;
   });
-  // One method's GEMM of one ISA's table on packed panels (per-kernel tests): rows of bf16 (K
-  // values each) or int8 quantized per group (with their scales and scaled sums), plain row-major.
+  // One method's GEMM of one ISA's table on packed panels (per-kernel tests): m rows of K bf16 values,
+  // or of K int8 values quantized per group with their scales and scaled sums, given row-major and
+  // gathered here into the engine's tiled layout (kt/kernels.h), which every family reads.
   m.def(
       "gemm",
       [](const std::string& isa, Method method, bool int8_input, int m, int64_t K, int group, uintptr_t rows,
@@ -123,23 +127,27 @@ PYBIND11_MODULE(_native, m) {
         const MethodKernels& k = kernel_table(*parsed).method(method);
         if (m < 1 || K % group != 0 || K % kKAlign != 0)
           throw std::invalid_argument("gemm: need m >= 1 and K a multiple of the group and of 64");
-        const int64_t ldc = int64_t{npanels} * kPanelWidth;
-        py::gil_scoped_release release;
-        if (int8_input) {
-          if (!k.gemm_q8) throw std::invalid_argument("this method has no int8-input kernel");
-          std::vector<const int8_t*> r(m);
-          std::vector<const float*> s(m), t(m);
-          for (int i = 0; i < m; ++i)
-            r[i] = ptr<const int8_t>(rows) + i * K, s[i] = ptr<const float>(scales) + i * (K / group),
-            t[i] = ptr<const float>(sums) + i * (K / group);
-          k.gemm_q8(m, K, group, QuantRows{r.data(), kChunkBytes, s.data(), t.data()}, ptr<const uint8_t>(panels),
-                    npanels, ptr<float>(c), ldc);
-        } else {
-          std::vector<const uint16_t*> r(m);
-          for (int i = 0; i < m; ++i) r[i] = ptr<const uint16_t>(rows) + i * K;
-          k.gemm_a16(m, K, group, Bf16Rows{r.data(), kChunkBytes}, ptr<const uint8_t>(panels), npanels,
-                     ptr<float>(c), ldc);
+        if (int8_input && !k.gemm_q8) throw std::invalid_argument("this method has no int8-input kernel");
+        const int64_t row_bytes = K * (int8_input ? 1 : 2), ldc = int64_t{npanels} * kPanelWidth;
+        AlignedVector<uint8_t> tiled(static_cast<size_t>(round_up(m, kRowBlock) * row_bytes));
+        std::vector<const void*> r(m);
+        std::vector<const float*> s(m), t(m);
+        for (int i = 0; i < m; ++i) {
+          uint8_t* row = tiled.data() + i / kRowBlock * kRowBlock * row_bytes + i % kRowBlock * kChunkBytes;
+          for (int64_t ch = 0; ch < row_bytes / kChunkBytes; ++ch)
+            std::memcpy(row + ch * kTiledChunkStride, ptr<const uint8_t>(rows) + i * row_bytes + ch * kChunkBytes,
+                        kChunkBytes);
+          r[i] = row;
+          s[i] = ptr<const float>(scales) + i * (K / group), t[i] = ptr<const float>(sums) + i * (K / group);
         }
+        py::gil_scoped_release release;
+        if (int8_input)
+          k.gemm_q8(m, K, group,
+                    QuantRows{reinterpret_cast<const int8_t* const*>(r.data()), kTiledChunkStride, s.data(), t.data()},
+                    ptr<const uint8_t>(panels), npanels, ptr<float>(c), ldc);
+        else
+          k.gemm_a16(m, K, group, Bf16Rows{reinterpret_cast<const uint16_t* const*>(r.data()), kTiledChunkStride},
+                     ptr<const uint8_t>(panels), npanels, ptr<float>(c), ldc);
       },
       py::arg("isa"), py::arg("method"), py::arg("int8_input"), py::arg("m"), py::arg("K"), py::arg("group"),
       py::arg("rows"), py::arg("scales"), py::arg("sums"), py::arg("panels"), py::arg("npanels"), py::arg("c"));

@@ -1,0 +1,140 @@
+"""Every registered method's GEMMs on every ISA this CPU runs, one kernel call at a time, by property
+(as ggml's test-backend-ops): against the scalar twin, and against float32 on the dequantized
+weights, at awkward sizes (rows that fill no block, odd panel counts, K of several groups)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import isa_params
+
+from kt_sglang.engine.canonical import dequantize, quantize
+from kt_sglang.engine.methods import METHODS
+from kt_sglang.engine.native import _native
+from kt_sglang.engine.reference import relative_error
+
+# (rows, panels of 16 output channels, K in groups): decode passes (1-8 rows) and prefill tiles,
+# K past FP8's 512-value decode chunks.
+SIZES = [(1, 1, 2), (3, 5, 1), (5, 3, 3), (8, 2, 2), (13, 7, 1), (37, 3, 2), (9, 2, 5)]
+
+# A kernel against its scalar twin: the same products summed in another order, and the bf16-input
+# kernels of the integer methods requantize their inputs to int16 inside the call (~2e-5). AMX
+# rounds the dequantized weights of those kernels to bf16 (2^-9 relative).
+TWIN_BOUND = {"amx": 4e-3}
+TWIN_BOUND_DEFAULT = 1e-4
+# Against float32 on the dequantized weights and the kernel's own inputs (bf16, or int8 times
+# their scales): fp32 summation, and the bf16-input kernels of the integer methods requantize
+# their inputs to int16 inside the call (~1e-5).
+REFERENCE_BOUND = 1e-4
+
+
+def _cases():
+    for method, info in METHODS.items():
+        inputs = [False] + ([True] if info.int8_activations or info.int8_h else [])
+        for group in info.allowed_groups:
+            for int8_input in inputs:
+                for m, panels, groups in SIZES:
+                    yield pytest.param(
+                        method.value,
+                        group,
+                        int8_input,
+                        m,
+                        panels,
+                        groups,
+                        id=f"{method.value}-g{group}-{'q8' if int8_input else 'a16'}-m{m}-p{panels}-k{groups}",
+                    )
+
+
+def _packed(method, group, w):
+    """The engine's quantization of `w` [N, K], its dequantized float32 copy, and its packed panels."""
+    N, K = w.shape
+    canon = quantize(method, w.bfloat16(), group)
+    tensors = [canon.weight, canon.scales, canon.mins]
+    packed = torch.zeros(_native.packed_bytes(getattr(_native.Method, method), group, N, K), dtype=torch.uint8)
+    _native.pack_matrix(
+        getattr(_native.Method, method),
+        group,
+        N,
+        K,
+        *(t.data_ptr() if t is not None else 0 for t in tensors),
+        packed.data_ptr(),
+    )
+    return dequantize(method, canon, K, group), packed
+
+
+def _inputs(int8_input, m, K, group, seed):
+    """Activation rows as the kernel reads them, and their float32 values."""
+    x = torch.randn(m, K, generator=torch.Generator().manual_seed(seed))
+    if not int8_input:
+        x = x.bfloat16()
+        return (x, None, None), x.float()
+    q = torch.empty(m, K, dtype=torch.int8)
+    scales = torch.empty(m, K // group)
+    sums = torch.empty(m, K // group)
+    _native.quantize_activations(x.data_ptr(), m, K, group, q.data_ptr(), scales.data_ptr(), sums.data_ptr())
+    return (q, scales, sums), q.float() * scales.repeat_interleave(group, 1)
+
+
+def _run(isa, method, int8_input, m, K, group, inputs, packed, npanels):
+    rows, scales, sums = inputs
+    c = torch.full((-(-m // 32) * 32, 16 * npanels), float("nan"))  # AMX stores whole blocks of 32 rows
+    _native.gemm(
+        isa,
+        getattr(_native.Method, method),
+        int8_input,
+        m,
+        K,
+        group,
+        rows.data_ptr(),
+        scales.data_ptr() if scales is not None else 0,
+        sums.data_ptr() if sums is not None else 0,
+        packed.data_ptr(),
+        npanels,
+        c.data_ptr(),
+    )
+    return c[:m]
+
+
+@pytest.mark.parametrize("isa", isa_params())
+@pytest.mark.parametrize("method,group,int8_input,m,npanels,groups", list(_cases()))
+def test_kernel_against_scalar_and_float32(isa, method, group, int8_input, m, npanels, groups):
+    K = groups * max(group, 64)
+    N = 16 * npanels
+    w = torch.randn(N, K, generator=torch.Generator().manual_seed(m + npanels)) / K**0.5
+    dense, packed = _packed(method, group, w)
+    inputs, x = _inputs(int8_input, m, K, group, seed=m * 7 + groups)
+    out = _run(isa, method, int8_input, m, K, group, inputs, packed, npanels)
+    assert torch.isfinite(out).all()
+    reference = x @ dense.T
+    assert relative_error(out, reference) <= REFERENCE_BOUND * (40 if isa == "amx" else 1)
+    if isa != "scalar":
+        twin = _run("scalar", method, int8_input, m, K, group, inputs, packed, npanels)
+        assert relative_error(out, twin) <= TWIN_BOUND.get(isa, TWIN_BOUND_DEFAULT)
+
+
+@pytest.mark.parametrize("method", [m.value for m in METHODS])
+def test_zero_padding_past_the_source(method):
+    """K not a multiple of the group and N not of 16: packing zero-fills the rest, so a kernel over
+    the padded sizes equals the product over the source's."""
+    info = METHODS[next(m for m in METHODS if m.value == method)]
+    group = info.default_group
+    N, K = 21, group + 40
+    w = torch.randn(N, K, generator=torch.Generator().manual_seed(3)) / K**0.5
+    canon = quantize(method, w.bfloat16(), group)
+    Kp, Np = -(-K // max(group, 64)) * max(group, 64), 32
+    packed = torch.zeros(_native.packed_bytes(getattr(_native.Method, method), group, N, K), dtype=torch.uint8)
+    _native.pack_matrix(
+        getattr(_native.Method, method),
+        group,
+        N,
+        K,
+        *(t.data_ptr() if t is not None else 0 for t in (canon.weight, canon.scales, canon.mins)),
+        packed.data_ptr(),
+    )
+    x = torch.zeros(3, Kp)
+    x[:, :K] = torch.randn(3, K, generator=torch.Generator().manual_seed(4))
+    x = x.bfloat16()
+    out = _run("scalar", method, False, 3, Kp, group, (x, None, None), packed, Np // 16)
+    reference = x[:, :K].float() @ dequantize(method, canon, K, group).T
+    assert relative_error(out[:, :N], reference) <= REFERENCE_BOUND
+    assert torch.count_nonzero(out[:, N:]) == 0
