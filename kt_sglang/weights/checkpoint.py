@@ -10,14 +10,22 @@ import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
 
 from kt_sglang.weights.families import ModelFamily, family_for
 
+if TYPE_CHECKING:  # imported where used: reading a checkpoint needs no native engine
+    from kt_sglang.engine.canonical import CanonicalMatrix
+    from kt_sglang.engine.methods import Method
+
 # Name prefixes of the text model inside multimodal checkpoints, tried in order.
 _PREFIXES = ("", "language_model.", "model.language_model.")
+
+# Block size of FP8 checkpoints that do not say (DeepSeek-V3, Qwen3-FP8, MiniMax-M2 all use 128 x 128).
+FP8_BLOCK = 128
 
 
 class CheckpointError(ValueError):
@@ -128,31 +136,86 @@ class Checkpoint:
                 return name
         return None
 
+    def _where(self, name: str) -> str:
+        return f"{name} in {self._files[name].name}" if name in self._files else name
+
+    def _config_block(self) -> tuple[int, int]:
+        block = self.quantization.get("weight_block_size") or [FP8_BLOCK, FP8_BLOCK]
+        return int(block[0]), int(block[1])
+
     def _dense(self, name: str) -> torch.Tensor:
-        """A weight as bf16/fp16/fp32; FP8 e4m3 is dequantized with its weight_scale_inv blocks."""
+        """A weight as bf16/fp16/fp32; FP8 e4m3 is dequantized with its block or channel scales."""
         w = self.tensor(name)
         if w.dtype in (torch.bfloat16, torch.float16, torch.float32):
             return w
-        if w.dtype != torch.float8_e4m3fn:
-            raise CheckpointError(f"tensor {name} has dtype {w.dtype}; expected bf16, fp16, fp32 or fp8 e4m3")
-        scale_name = name + "_scale_inv"
-        if scale_name not in self._files:
-            raise CheckpointError(f"tensor {name} is FP8 but {scale_name} is missing")
-        block = self.quantization.get("weight_block_size")
-        if not block:
+        if not is_float8(w.dtype):
             raise CheckpointError(
-                f"tensor {name} is FP8 but config.json has no quantization_config.weight_block_size"
+                f"tensor {self._where(name)} has dtype {w.dtype}; expected bf16, fp16, fp32 or fp8 e4m3"
             )
-        scale = self.tensor(scale_name).float()
-        bn, bk = int(block[0]), int(block[1])
+        bn, bk = self._config_block()
+        scale_name, kind = self._fp8_scale_name(name, w)
+        scales = self._fp8_scales(name, w, scale_name, kind, (bn, bk))
         N, K = w.shape
-        expected = (-(-N // bn), -(-K // bk))
-        if tuple(scale.shape) != expected:
-            raise CheckpointError(
-                f"{scale_name} has shape {list(scale.shape)}; expected {list(expected)} for {bn}x{bk} blocks"
-            )
-        full = scale.repeat_interleave(bn, 0)[:N].repeat_interleave(bk, 1)[:, :K]
+        if kind == "channel":
+            full = scales[:, None]
+        else:
+            full = scales.repeat_interleave(bn, 0)[:N].repeat_interleave(bk, 1)[:, :K]
         return (w.float() * full).bfloat16()
+
+    def _fp8_scale_name(self, name: str, w: torch.Tensor) -> tuple[str, str]:
+        """The scales of an FP8 weight and their kind: "block" (``{name}_scale_inv``, DeepSeek-V3's
+        naming, or a ``{name}_scale`` of the block shape) or "channel" (any other ``{name}_scale``)."""
+        if w.dtype != torch.float8_e4m3fn:
+            raise CheckpointError(
+                f"tensor {self._where(name)} has dtype {w.dtype}; FP8 weights must be float8_e4m3fn "
+                "(e4m3fnuz and e5m2 are not read as they are: convert the checkpoint to float8_e4m3fn "
+                "or bf16 first)"
+            )
+        if w.dim() != 2:
+            raise CheckpointError(f"tensor {self._where(name)} has shape {list(w.shape)}; expected 2-D")
+        inv, channel = name + "_scale_inv", name + "_scale"
+        if inv in self._files:
+            return inv, "block"
+        if channel in self._files:  # compressed-tensors names both kinds so: the shape tells
+            (N, K), (bn, bk) = w.shape, self._config_block()
+            blocks = (-(-N // bn), -(-K // bk))
+            return channel, "block" if tuple(self.tensor(channel).shape) == blocks != (N, 1) else "channel"
+        raise CheckpointError(
+            f"tensor {name} is FP8 but {inv} is missing, and so is a per-channel {channel} "
+            f"(the weight is in {self._files[name].name}, {self.path})"
+        )
+
+    def _fp8_scales(self, name: str, w: torch.Tensor, scale_name: str, kind: str, block) -> torch.Tensor:
+        """The scales as fp32, unchanged in value: ``[ceil(N/bn), ceil(K/bk)]`` for blocks, ``[N]`` for
+        channels (from ``[N]`` or ``[N, 1]``; one per-tensor scale is repeated over the channels)."""
+        N, K = w.shape
+        bn, bk = block
+        scale = self.tensor(scale_name)
+        where = self._where(scale_name)
+        if scale.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise CheckpointError(
+                f"scales {where} have dtype {scale.dtype}; expected float32, bfloat16 or float16"
+            )
+        if kind == "block":
+            expected = (-(-N // bn), -(-K // bk))
+            if tuple(scale.shape) != expected:
+                raise CheckpointError(
+                    f"scales {where} have shape {list(scale.shape)}; expected {list(expected)} "
+                    f"(one per {bn} x {bk} block of the [{N}, {K}] weight {name})"
+                )
+            scales = scale.float().contiguous()
+        elif tuple(scale.shape) in ((N,), (N, 1)):
+            scales = scale.float().reshape(N).contiguous()
+        elif scale.numel() == 1 and scale.dim() <= 1:  # one scale for the whole tensor
+            scales = scale.float().reshape(1).expand(N).contiguous()
+        else:
+            raise CheckpointError(
+                f"scales {where} have shape {list(scale.shape)}; expected [{N}] or [{N}, 1] "
+                f"(one per output channel of the [{N}, {K}] weight {name})"
+            )
+        if not bool(torch.isfinite(scales).all()):
+            raise CheckpointError(f"scales {where} hold NaN or infinite values")
+        return scales
 
     def layer_experts(
         self, layer: int, experts: list[int] | None = None
@@ -207,6 +270,107 @@ class Checkpoint:
             mats.append(w)
         return torch.stack(mats) if mats else torch.empty(0, *shape)
 
+    # ------------------------------------------------------------------------------------------
+    # FP8 experts as the checkpoint ships them (methods whose canonical weight is e4m3)
+
+    def _fp8_kind(self, method: Method) -> tuple[str, int]:
+        """("block", block size) or ("channel", 0) for a method storing e4m3 weights."""
+        from kt_sglang.engine.methods import METHODS
+
+        info = METHODS[method]
+        if info.tensors[0].dtype != torch.float8_e4m3fn or len(info.tensors) < 2:
+            raise ValueError(f"{method.value} does not store float8_e4m3fn weights")
+        if info.tensors[1].shape == "N":
+            return "channel", 0
+        return "block", info.default_group
+
+    def _check_fp8_config(self, method: Method) -> None:
+        kind, block = self._fp8_kind(method)
+        found = self.quantization.get("weight_block_size")
+        if kind == "block" and found is not None and [int(v) for v in found] != [block, block]:
+            raise CheckpointError(
+                f"{self.path / 'config.json'}: quantization_config.weight_block_size is {list(found)}; "
+                f"{method.value}'s blocks are {block} x {block} (a method that quantizes reads this "
+                "checkpoint: it dequantizes it first)"
+            )
+
+    def _fp8_matrix(
+        self, pattern: str, layer: int, expert: int, shape: tuple[int, int], method: Method
+    ) -> CanonicalMatrix:
+        from kt_sglang.engine.canonical import CanonicalMatrix
+        from kt_sglang.engine.methods import METHODS
+
+        name = self._resolve(pattern, layer=layer, expert=expert)
+        if name is None:
+            missing = pattern.format(layer=layer, expert=expert)
+            raise CheckpointError(f"expert tensor {missing} is missing from {self.path}")
+        kind, block = self._fp8_kind(method)
+        w = self.tensor(name)
+        if tuple(w.shape) != shape:
+            raise CheckpointError(f"{self._where(name)} has shape {list(w.shape)}; expected {list(shape)}")
+        scale_name, found = self._fp8_scale_name(name, w)
+        if found != kind:
+            fits = [m.value for m in METHODS if self._fp8_kind_or_none(m) == found]
+            what = "one scale per output channel" if found == "channel" else "block scales"
+            raise CheckpointError(
+                f"{self._where(name)} is FP8 with {what} ({scale_name}); {method.value} needs "
+                f"{'per-channel' if kind == 'channel' else 'block'} scales: use "
+                f"{' or '.join(fits) or 'a method that quantizes'} for this checkpoint"
+            )
+        scales = self._fp8_scales(name, w, scale_name, kind, (block, block))  # block: unused for channels
+        return CanonicalMatrix(w, scales)
+
+    def _fp8_kind_or_none(self, method: Method) -> str | None:
+        try:
+            return self._fp8_kind(method)[0]
+        except ValueError:
+            return None
+
+    def _fp8_expert(
+        self, layer: int, expert: int, method: Method
+    ) -> tuple[CanonicalMatrix, CanonicalMatrix, CanonicalMatrix]:
+        fam, spec = self.family, self.spec
+        I, H = spec.intermediate_size, spec.hidden_size
+        return tuple(
+            self._fp8_matrix(fam.experts[proj], layer, expert, shape, method)
+            for proj, shape in (("gate", (I, H)), ("up", (I, H)), ("down", (H, I)))
+        )
+
+    def _check_fp8_layer(self, layer: int, method: Method) -> None:
+        spec, fam = self.spec, self.family
+        if layer not in spec.moe_layers:
+            raise CheckpointError(
+                f"layer {layer} is not an MoE layer of {self.path.name} (MoE layers: {list(spec.moe_layers)})"
+            )
+        if not (fam.experts and self._resolve(fam.experts["gate"], layer=layer, expert=0)):
+            raise CheckpointError(
+                f"layer {layer}: {method.value} reads per-expert FP8 tensors "
+                f"({fam.experts.get('gate', '').format(layer=layer, expert=0)} and its scales); "
+                f"{self.path} has none"
+            )
+        self._check_fp8_config(method)
+
+    def layer_fp8_experts(
+        self, layer: int, experts: list[int], method: Method
+    ) -> tuple[list[CanonicalMatrix], list[CanonicalMatrix], list[CanonicalMatrix]]:
+        """gate, up, down canonical matrices (``CanonicalMatrix(weight e4m3 [N, K], scales fp32)``) of
+        the given experts, for a method whose canonical weight is float8_e4m3fn: the checkpoint's
+        values as they are (bf16/fp16 scales become fp32, exactly)."""
+        self._check_fp8_layer(layer, method)
+        gate, up, down = [], [], []
+        for e in experts:
+            g, u, d = self._fp8_expert(layer, e, method)
+            gate.append(g)
+            up.append(u)
+            down.append(d)
+        return gate, up, down
+
+    def iter_fp8_experts(self, layer: int, method: Method):
+        """Yields (gate, up, down) canonical FP8 matrices expert by expert (the converter's stream)."""
+        self._check_fp8_layer(layer, method)
+        for e in range(self.spec.num_experts):
+            yield self._fp8_expert(layer, e, method)
+
     def expert_tensor_names(self) -> list[str]:
         """Names of every expert tensor in the checkpoint (records which checkpoint a conversion used)."""
         return sorted(name for name in self._files if ".experts." in name)
@@ -257,6 +421,11 @@ class Checkpoint:
                 f"fused expert tensor {name} has dtype {w.dtype}; expected bf16, fp16 or fp32"
             )
         return w
+
+
+def is_float8(dtype: torch.dtype) -> bool:
+    """Any 8-bit float (e4m3fn, e4m3fnuz, e5m2, ...): the checkpoint ships FP8 experts."""
+    return dtype.is_floating_point and dtype.itemsize == 1
 
 
 def _common_dtype(tensors) -> torch.dtype:
