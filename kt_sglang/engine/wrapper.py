@@ -242,7 +242,8 @@ class KTMoEWrapper:
             )
 
     def _load_hf_checkpoint(self, physical_to_logical_map) -> None:
-        from kt_sglang.weights.checkpoint import open_checkpoint
+        from kt_sglang.engine.methods import METHODS
+        from kt_sglang.weights.checkpoint import is_float8, open_checkpoint
 
         ckpt = open_checkpoint(self.weight_path)
         spec = ckpt.spec
@@ -252,8 +253,18 @@ class KTMoEWrapper:
         )
         slots = self._slot_map(physical_to_logical_map, spec.num_experts) or list(range(self.num_experts))
         needed = sorted(set(slots))
-        gate, up, down = ckpt.layer_experts(self.layer_idx, needed)
         position = {e: i for i, e in enumerate(needed)}
+        # A method storing e4m3 weights takes an FP8 checkpoint's values as they are (no requantization);
+        # from bf16/fp16/fp32 the engine quantizes, like every other method.
+        if (
+            METHODS[self.method].tensors[0].dtype == torch.float8_e4m3fn
+            and self.layer_idx in spec.moe_layers
+            and is_float8(ckpt.expert_dtype(self.layer_idx))
+        ):
+            mats = ckpt.layer_fp8_experts(self.layer_idx, needed, self.method)
+            self.load_canonical(*([m[position[e]] for e in slots] for m in mats))
+            return
+        gate, up, down = ckpt.layer_experts(self.layer_idx, needed)
         self.load_weights_from_tensors(gate, up, down, [position[e] for e in slots])
 
     def _load_canonical_dir(self, physical_to_logical_map) -> None:

@@ -1,5 +1,8 @@
 """`kt-sglang convert-cpu`: quantize a checkpoint's experts once into the canonical CPU format.
 
+An FP8 checkpoint converted for a method that stores e4m3 weights is copied, not quantized: its
+weights and scales go into the canonical files as they are (bf16 scales as the same fp32 values).
+
 Streams layer by layer (peak memory: one layer's experts plus its output), writes each layer under a
 temporary name and renames it, and on a rerun (or with --resume-layer) skips the layers already
 complete after checking them; then merges the layer files into shards with an index (unless
@@ -18,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 from kt_sglang.engine.canonical import quantize
-from kt_sglang.engine.methods import Method, method_names, parse_method, resolve_group
+from kt_sglang.engine.methods import METHODS, Method, method_names, parse_method, resolve_group
 from kt_sglang.weights.canonical_files import (
     INDEX,
     MANIFEST,
@@ -30,7 +33,7 @@ from kt_sglang.weights.canonical_files import (
     sha256_text,
     write_layer,
 )
-from kt_sglang.weights.checkpoint import Checkpoint, CheckpointError
+from kt_sglang.weights.checkpoint import Checkpoint, CheckpointError, is_float8
 
 INPUT_TYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.float8_e4m3fn}
 
@@ -98,6 +101,11 @@ def convert(args: argparse.Namespace) -> Path:
             f"--input-type {args.input_type} does not match the checkpoint: "
             f"its experts are {dtype_name(found)}"
         )
+    # A method storing e4m3 weights keeps an FP8 checkpoint's values as they are: the output is a
+    # cache of the checkpoint's experts in the canonical layout, not a requantization.
+    as_is = METHODS[method].tensors[0].dtype == torch.float8_e4m3fn and is_float8(found)
+    if as_is:
+        ckpt.layer_fp8_experts(first, [0], method)  # names, dtypes, scales, block size: fail before writing
     layers = list(spec.moe_layers)
     if args.resume_layer is not None:
         if args.resume_layer > layers[-1]:
@@ -147,6 +155,14 @@ def convert(args: argparse.Namespace) -> Path:
                 bar.update(1)
                 return mats
 
+            if as_is:
+                experts = []
+                for mats in ckpt.iter_fp8_experts(layer, method):
+                    experts.append(dict(zip(("gate", "up", "down"), mats, strict=True)))
+                    bar.update(1)
+                written += write_layer(out, manifest, layer, experts).stat().st_size
+                del experts
+                continue
             # Experts stream through the pool, at most 2 per thread in flight besides the output
             # (Executor.map would read the whole layer first).
             experts, in_flight = [], collections.deque()
