@@ -330,9 +330,7 @@ def test_scale_dtype_and_values(tmp_path):
 def test_block_size_other_than_128(tmp_path):
     cfg = qwen_config(quantization_config={"quant_method": "fp8", "weight_block_size": [64, 64]})
     path = broken(tmp_path, "block-fp32", lambda t: None, cfg)
-    with pytest.raises(
-        CheckpointError, match=r"weight_block_size is \[64, 64\]; FP8's blocks are 128 x 128"
-    ):
+    with pytest.raises(CheckpointError, match=r"weight_block_size is \[64, 64\]; FP8's blocks are 128 x 128"):
         load(path, "FP8")
 
 

@@ -41,7 +41,8 @@ def _cases():
                         m,
                         panels,
                         groups,
-                        id=f"{method.value}-g{group}-{'q8' if int8_input else 'a16'}-m{m}-p{panels}-k{groups}",
+                        id=f"{method.value}-g{group}-{'q8' if int8_input else 'a16'}"
+                        f"-m{m}-p{panels}-k{groups}",
                     )
 
 
@@ -50,7 +51,9 @@ def _packed(method, group, w):
     N, K = w.shape
     canon = quantize(method, w.bfloat16(), group)
     tensors = [canon.weight, canon.scales, canon.mins]
-    packed = torch.zeros(_native.packed_bytes(getattr(_native.Method, method), group, N, K), dtype=torch.uint8)
+    packed = torch.zeros(
+        _native.packed_bytes(getattr(_native.Method, method), group, N, K), dtype=torch.uint8
+    )
     _native.pack_matrix(
         getattr(_native.Method, method),
         group,
@@ -122,7 +125,9 @@ def test_zero_padding_past_the_source(method):
     w = torch.randn(N, K, generator=torch.Generator().manual_seed(3)) / K**0.5
     canon = quantize(method, w.bfloat16(), group)
     Kp, Np = -(-K // max(group, 64)) * max(group, 64), 32
-    packed = torch.zeros(_native.packed_bytes(getattr(_native.Method, method), group, N, K), dtype=torch.uint8)
+    packed = torch.zeros(
+        _native.packed_bytes(getattr(_native.Method, method), group, N, K), dtype=torch.uint8
+    )
     _native.pack_matrix(
         getattr(_native.Method, method),
         group,

@@ -37,7 +37,9 @@ def canonical_layout(
     return {t.name: (t.shape_for(N, K, group), t.dtype) for t in METHODS[method].tensors}
 
 
-def dequantize(method: str | Method, m: CanonicalMatrix, K: int, group_size: int | None = None) -> torch.Tensor:
+def dequantize(
+    method: str | Method, m: CanonicalMatrix, K: int, group_size: int | None = None
+) -> torch.Tensor:
     """The float32 ``[N, K]`` matrix a canonical one stands for, computed in torch (the tests'
     reference, independent of the engine)."""
     group = resolve_group(parse_method(method), group_size)

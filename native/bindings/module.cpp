@@ -68,14 +68,14 @@ PYBIND11_MODULE(_native, m) {
         if (c.name)
           tensors.append(py::make_tuple(c.name, kTensorDTypes[static_cast<int>(c.dtype)],
                                         kTensorShapes[static_cast<int>(c.shape)]));
-      out.append(py::dict(
-          py::arg("method") = t.method, py::arg("name") = t.name, py::arg("aliases") = aliases,
-          py::arg("summary") = t.summary, py::arg("default_group") = t.default_group,
-          py::arg("allowed_groups") = groups,
-          py::arg("int8_activations") = t.gate_up_input == Activation::kInt8,
-          py::arg("int8_h") = t.down_input == Activation::kInt8, py::arg("weight_bits") = t.weight_bits,
-          py::arg("quantizes_dense") = t.quantizes_dense, py::arg("tensors") = tensors,
-          py::arg("error_bound") = t.error_bound));
+      out.append(py::dict(py::arg("method") = t.method, py::arg("name") = t.name,
+                          py::arg("aliases") = aliases, py::arg("summary") = t.summary,
+                          py::arg("default_group") = t.default_group, py::arg("allowed_groups") = groups,
+                          py::arg("int8_activations") = t.gate_up_input == Activation::kInt8,
+                          py::arg("int8_h") = t.down_input == Activation::kInt8,
+                          py::arg("weight_bits") = t.weight_bits,
+                          py::arg("quantizes_dense") = t.quantizes_dense, py::arg("tensors") = tensors,
+                          py::arg("error_bound") = t.error_bound));
     }
     return out;
   });
@@ -135,26 +135,30 @@ PYBIND11_MODULE(_native, m) {
         for (int i = 0; i < m; ++i) {
           uint8_t* row = tiled.data() + i / kRowBlock * kRowBlock * row_bytes + i % kRowBlock * kChunkBytes;
           for (int64_t ch = 0; ch < row_bytes / kChunkBytes; ++ch)
-            std::memcpy(row + ch * kTiledChunkStride, ptr<const uint8_t>(rows) + i * row_bytes + ch * kChunkBytes,
-                        kChunkBytes);
+            std::memcpy(row + ch * kTiledChunkStride,
+                        ptr<const uint8_t>(rows) + i * row_bytes + ch * kChunkBytes, kChunkBytes);
           r[i] = row;
           s[i] = ptr<const float>(scales) + i * (K / group), t[i] = ptr<const float>(sums) + i * (K / group);
         }
         py::gil_scoped_release release;
         if (int8_input)
           k.gemm_q8(m, K, group,
-                    QuantRows{reinterpret_cast<const int8_t* const*>(r.data()), kTiledChunkStride, s.data(), t.data()},
+                    QuantRows{reinterpret_cast<const int8_t* const*>(r.data()), kTiledChunkStride, s.data(),
+                              t.data()},
                     ptr<const uint8_t>(panels), npanels, ptr<float>(c), ldc);
         else
-          k.gemm_a16(m, K, group, Bf16Rows{reinterpret_cast<const uint16_t* const*>(r.data()), kTiledChunkStride},
+          k.gemm_a16(m, K, group,
+                     Bf16Rows{reinterpret_cast<const uint16_t* const*>(r.data()), kTiledChunkStride},
                      ptr<const uint8_t>(panels), npanels, ptr<float>(c), ldc);
       },
       py::arg("isa"), py::arg("method"), py::arg("int8_input"), py::arg("m"), py::arg("K"), py::arg("group"),
-      py::arg("rows"), py::arg("scales"), py::arg("sums"), py::arg("panels"), py::arg("npanels"), py::arg("c"));
+      py::arg("rows"), py::arg("scales"), py::arg("sums"), py::arg("panels"), py::arg("npanels"),
+      py::arg("c"));
   m.def(
       "packed_bytes",
       [](Method method, int group, int64_t N, int64_t K) {
-        return packed_matrix_bytes(method, group, PackRegion{0, round_up(N, kPanelWidth), 0, round_up(K, group)});
+        return packed_matrix_bytes(method, group,
+                                   PackRegion{0, round_up(N, kPanelWidth), 0, round_up(K, group)});
       },
       "Bytes of one packed [N, K] matrix (N padded to 16 channels, K to the group).");
   m.def(

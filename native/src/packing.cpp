@@ -45,7 +45,8 @@ struct SourceView {
 
 }  // namespace
 
-void pack_group_bf16(const CanonicalMatrix& src, const PackRegion& region, int64_t n0, int64_t gi, uint8_t* dst) {
+void pack_group_bf16(const CanonicalMatrix& src, const PackRegion& region, int64_t n0, int64_t gi,
+                     uint8_t* dst) {
   const SourceView v{src, region};
   const int64_t k0 = gi * kKAlign;
   auto* d = reinterpret_cast<uint16_t*>(dst);
@@ -54,7 +55,8 @@ void pack_group_bf16(const CanonicalMatrix& src, const PackRegion& region, int64
       for (int j = 0; j < 2; ++j) d[(r * kPanelWidth + n) * 2 + j] = v.bf16(n0 + n, k0 + 2 * r + j);
 }
 
-void pack_group_int8(const CanonicalMatrix& src, const PackRegion& region, int64_t n0, int64_t gi, uint8_t* dst) {
+void pack_group_int8(const CanonicalMatrix& src, const PackRegion& region, int64_t n0, int64_t gi,
+                     uint8_t* dst) {
   const SourceView v{src, region};
   const int group = src.group;
   const int64_t k0 = gi * group;
@@ -62,10 +64,12 @@ void pack_group_int8(const CanonicalMatrix& src, const PackRegion& region, int64
     for (int n = 0; n < kPanelWidth; ++n)
       for (int j = 0; j < 4; ++j) dst[(r * kPanelWidth + n) * 4 + j] = v.int8_as_u8(n0 + n, k0 + 4 * r + j);
   auto* s = reinterpret_cast<uint16_t*>(dst + group_weight_bytes(src.method, group));
-  for (int n = 0; n < kPanelWidth; ++n) s[n] = v.group_entry(static_cast<const uint16_t*>(src.scales), n0 + n, gi);
+  for (int n = 0; n < kPanelWidth; ++n)
+    s[n] = v.group_entry(static_cast<const uint16_t*>(src.scales), n0 + n, gi);
 }
 
-void pack_group_int4(const CanonicalMatrix& src, const PackRegion& region, int64_t n0, int64_t gi, uint8_t* dst) {
+void pack_group_int4(const CanonicalMatrix& src, const PackRegion& region, int64_t n0, int64_t gi,
+                     uint8_t* dst) {
   const SourceView v{src, region};
   const int group = src.group;
   const int64_t k0 = gi * group;
@@ -92,7 +96,8 @@ void pack_panels(const CanonicalMatrix& src, const PackRegion& region, int64_t p
   const int64_t pbytes = panel_bytes(src.method, group, region.cols);
   const auto pack_group = method_ops(src.method).pack_group;
   for (int64_t p = panel_begin; p < panel_end; ++p)
-    for (int64_t gi = 0; gi < groups; ++gi) pack_group(src, region, p * kPanelWidth, gi, out + p * pbytes + gi * gbytes);
+    for (int64_t gi = 0; gi < groups; ++gi)
+      pack_group(src, region, p * kPanelWidth, gi, out + p * pbytes + gi * gbytes);
 }
 
 }  // namespace kt

@@ -1,12 +1,12 @@
 #include "kt/quantize.h"
 
-#include "methods/registry.h"
-
 #include <algorithm>
 #include <cmath>
 #include <stdexcept>
 #include <string>
 #include <vector>
+
+#include "methods/registry.h"
 
 namespace kt {
 
@@ -150,7 +150,8 @@ void quantize_int4_row(const float* w, int64_t K, int group, uint8_t* packed, ui
 void quantize_rows(const void* src, DType dtype, CanonicalMatrix& dst, int64_t row_begin, int64_t row_end) {
   const MethodTraits& traits = method_traits(dst.method);
   if (!traits.quantizes_dense)
-    throw std::invalid_argument(std::string("quantize: ") + traits.name + " cannot be made from dense weights");
+    throw std::invalid_argument(std::string("quantize: ") + traits.name +
+                                " cannot be made from dense weights");
   if (!src || !dst.complete()) throw std::invalid_argument("quantize: null source or destination tensor");
   if (dst.N < 0 || dst.K < 1 || row_begin < 0 || row_end > dst.N || row_begin > row_end)
     throw std::invalid_argument("quantize: bad matrix shape or row range");

@@ -78,7 +78,15 @@ class MoeLayer {
  private:
   void pack_expert(int slot, const CanonicalMatrix& gate, const CanonicalMatrix& up,
                    const CanonicalMatrix& down);
+  // The forward task and its steps (moe_layer.cpp), in the order they run per chunk of tokens.
+  struct Chunk;
   void forward_task(const ForwardArgs& args, const WorkerContext& ctx);
+  void route(const Chunk& chunk);  // worker 0
+  void gather_inputs(const Chunk& chunk, const WorkerContext& ctx);
+  void gate_up(const Chunk& chunk, const WorkerContext& ctx);
+  void quantize_h(const Chunk& chunk, const WorkerContext& ctx);
+  void down(const Chunk& chunk, const WorkerContext& ctx);
+  void combine(const Chunk& chunk, const WorkerContext& ctx);
   // Intermediate channels per gate/up work item: the quantization group (64 for BF16).
   int64_t h_group() const { return group_; }
 

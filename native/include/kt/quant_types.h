@@ -37,11 +37,11 @@ enum class Activation : int { kBf16 = 0, kInt8 = 1 };
 // from N, K and the group g.
 enum class TensorDType : int { kBf16 = 0, kFp16 = 1, kFp32 = 2, kInt8 = 3, kUint8 = 4, kFp8E4m3 = 5 };
 enum class TensorShape : int {
-  kNK = 0,         // [N, K]
-  kNHalfK = 1,     // [N, ceil(K / 2)]: two nibbles a byte
-  kNGroups = 2,    // [N, ceil(K / g)]: one value per row and group
-  kBlocks = 3,     // [ceil(N / g), ceil(K / g)]: one value per g x g block
-  kN = 4,          // [N]: one value per row
+  kNK = 0,       // [N, K]
+  kNHalfK = 1,   // [N, ceil(K / 2)]: two nibbles a byte
+  kNGroups = 2,  // [N, ceil(K / g)]: one value per row and group
+  kBlocks = 3,   // [ceil(N / g), ceil(K / g)]: one value per g x g block
+  kN = 4,        // [N]: one value per row
 };
 struct CanonicalTensor {
   const char* name = nullptr;  // "weight", "scales" or "mins"; nullptr: unused slot
@@ -62,42 +62,97 @@ struct MethodTraits {
   // the int8-input one needs two.
   Activation gate_up_input;
   Activation down_input;
-  int weight_bits;        // packed bits per weight
-  int scale_bytes;        // packed scale bytes per channel and group
-  bool quantizes_dense;   // the engine quantizes bf16/fp16/fp32 matrices to it (kt/quantize.h)
+  int weight_bits;       // packed bits per weight
+  int scale_bytes;       // packed scale bytes per channel and group
+  bool quantizes_dense;  // the engine quantizes bf16/fp16/fp32 matrices to it (kt/quantize.h)
   CanonicalTensor tensors[3];
   float error_bound;  // relative L2 error of a random layer against float32 (tests, check-engine)
 };
 
 // Bounds measured in docs/engine.md: INT8 groups of 64 reach rel. error 0.014 (per-channel:
 // 0.026); INT4 asymmetric groups of 64 with a searched clipping range reach 0.14; FP8 (the
-// checkpoint's own e4m3 values and 128 x 128 or per-channel scales, decoded exactly) ~0.03 against
-// the weights before FP8, and within bf16 rounding of the activations against its dequantized ones.
+// checkpoint's own e4m3 values and 128 x 128 or per-channel scales, decoded exactly) 0.047 against
+// the weights before FP8, and within bf16 rounding of the activations (0.0023) against its
+// dequantized ones.
 inline constexpr MethodTraits kMethodTable[kNumMethods] = {
-    {Method::kBf16, "BF16", {nullptr, nullptr}, "bf16 weights (2 bytes per weight)", kKAlign,
-     {kKAlign, 0, 0}, Activation::kBf16, Activation::kBf16, 16, 0, true,
-     {{"weight", TensorDType::kBf16, TensorShape::kNK}}, 0.01f},
-    {Method::kInt8, "AMXINT8", {"INT8", nullptr}, "int8 weights, fp16 scale per group of K", 64,
-     {32, 64, 128}, Activation::kInt8, Activation::kBf16, 8, 2, true,
-     {{"weight", TensorDType::kInt8, TensorShape::kNK}, {"scales", TensorDType::kFp16, TensorShape::kNGroups}},
-     0.02f},
-    {Method::kInt4, "AMXINT4", {"INT4", nullptr}, "int4 weights, fp16 scale and min per group of K", 64,
-     {32, 64, 128}, Activation::kInt8, Activation::kInt8, 4, 4, true,
-     {{"weight", TensorDType::kUint8, TensorShape::kNHalfK},
-      {"scales", TensorDType::kFp16, TensorShape::kNGroups},
-      {"mins", TensorDType::kFp16, TensorShape::kNGroups}},
-     0.16f},
-    {Method::kFp8, "FP8", {"FP8_BLOCK", nullptr},
-     "float8 e4m3 weights, fp32 scale per 128 x 128 block (DeepSeek-V3, Qwen3-FP8)", 128, {128, 0, 0},
-     Activation::kBf16, Activation::kBf16, 8, 4, true,
-     {{"weight", TensorDType::kFp8E4m3, TensorShape::kNK}, {"scales", TensorDType::kFp32, TensorShape::kBlocks}},
-     0.06f},
-    {Method::kFp8PerChannel, "FP8_PERCHANNEL", {nullptr, nullptr},
-     "float8 e4m3 weights, fp32 scale per output channel (GLM-4.7-FP8)", 128, {128, 0, 0},
-     Activation::kBf16, Activation::kBf16, 8, 4, true,
-     {{"weight", TensorDType::kFp8E4m3, TensorShape::kNK}, {"scales", TensorDType::kFp32, TensorShape::kN}},
-     0.06f},
+    {.method = Method::kBf16,
+     .name = "BF16",
+     .aliases = {nullptr, nullptr},
+     .summary = "bf16 weights (2 bytes per weight)",
+     .default_group = kKAlign,
+     .allowed_groups = {kKAlign, 0, 0},
+     .gate_up_input = Activation::kBf16,
+     .down_input = Activation::kBf16,
+     .weight_bits = 16,
+     .scale_bytes = 0,
+     .quantizes_dense = true,
+     .tensors = {{"weight", TensorDType::kBf16, TensorShape::kNK}},
+     .error_bound = 0.01f},
+    {.method = Method::kInt8,
+     .name = "AMXINT8",
+     .aliases = {"INT8", nullptr},
+     .summary = "int8 weights, fp16 scale per group of K",
+     .default_group = 64,
+     .allowed_groups = {32, 64, 128},
+     .gate_up_input = Activation::kInt8,
+     .down_input = Activation::kBf16,
+     .weight_bits = 8,
+     .scale_bytes = 2,
+     .quantizes_dense = true,
+     .tensors = {{"weight", TensorDType::kInt8, TensorShape::kNK},
+                 {"scales", TensorDType::kFp16, TensorShape::kNGroups}},
+     .error_bound = 0.02f},
+    {.method = Method::kInt4,
+     .name = "AMXINT4",
+     .aliases = {"INT4", nullptr},
+     .summary = "int4 weights, fp16 scale and min per group of K",
+     .default_group = 64,
+     .allowed_groups = {32, 64, 128},
+     .gate_up_input = Activation::kInt8,
+     .down_input = Activation::kInt8,
+     .weight_bits = 4,
+     .scale_bytes = 4,
+     .quantizes_dense = true,
+     .tensors = {{"weight", TensorDType::kUint8, TensorShape::kNHalfK},
+                 {"scales", TensorDType::kFp16, TensorShape::kNGroups},
+                 {"mins", TensorDType::kFp16, TensorShape::kNGroups}},
+     .error_bound = 0.16f},
+    {.method = Method::kFp8,
+     .name = "FP8",
+     .aliases = {"FP8_BLOCK", nullptr},
+     .summary = "float8 e4m3 weights as checkpoints ship them, fp32 scale per 128 x 128 block",
+     .default_group = 128,
+     .allowed_groups = {128, 0, 0},
+     .gate_up_input = Activation::kBf16,
+     .down_input = Activation::kBf16,
+     .weight_bits = 8,
+     .scale_bytes = 4,
+     .quantizes_dense = true,
+     .tensors = {{"weight", TensorDType::kFp8E4m3, TensorShape::kNK},
+                 {"scales", TensorDType::kFp32, TensorShape::kBlocks}},
+     .error_bound = 0.06f},
+    {.method = Method::kFp8PerChannel,
+     .name = "FP8_PERCHANNEL",
+     .aliases = {nullptr, nullptr},
+     .summary = "float8 e4m3 weights as checkpoints ship them, fp32 scale per output channel",
+     .default_group = 128,
+     .allowed_groups = {128, 0, 0},
+     .gate_up_input = Activation::kBf16,
+     .down_input = Activation::kBf16,
+     .weight_bits = 8,
+     .scale_bytes = 4,
+     .quantizes_dense = true,
+     .tensors = {{"weight", TensorDType::kFp8E4m3, TensorShape::kNK},
+                 {"scales", TensorDType::kFp32, TensorShape::kN}},
+     .error_bound = 0.06f},
 };
+
+constexpr bool rows_follow_enum() {
+  for (int i = 0; i < kNumMethods; ++i)
+    if (static_cast<int>(kMethodTable[i].method) != i) return false;
+  return true;
+}
+static_assert(rows_follow_enum(), "kMethodTable's rows must follow Method's order");
 
 constexpr const MethodTraits& method_traits(Method m) {
   return kMethodTable[static_cast<int>(m)];

@@ -81,7 +81,8 @@ Method parse_method(std::string_view name) {
     for (const char* alias : t.aliases)
       if (alias && key == alias) return t.method;
   }
-  throw std::invalid_argument("unknown method '" + std::string(name) + "': expected one of " + method_names());
+  throw std::invalid_argument("unknown method '" + std::string(name) + "': expected one of " +
+                              method_names());
 }
 
 }  // namespace kt

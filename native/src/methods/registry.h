@@ -16,9 +16,11 @@ namespace kt {
 struct MethodOps {
   // Group `gi` of the panel whose first channel is packed row n0 of `region`, into `dst`
   // (group_bytes(method, group) long); anything past the source is zero.
-  void (*pack_group)(const CanonicalMatrix& src, const PackRegion& region, int64_t n0, int64_t gi, uint8_t* dst);
+  void (*pack_group)(const CanonicalMatrix& src, const PackRegion& region, int64_t n0, int64_t gi,
+                     uint8_t* dst);
   // Rows [row_begin, row_end) of a dense [N, K] matrix of `dtype` into `dst` (quantizes_dense only).
-  void (*quantize_rows)(const void* src, DType dtype, CanonicalMatrix& dst, int64_t row_begin, int64_t row_end);
+  void (*quantize_rows)(const void* src, DType dtype, CanonicalMatrix& dst, int64_t row_begin,
+                        int64_t row_end);
 };
 const MethodOps& method_ops(Method m);
 

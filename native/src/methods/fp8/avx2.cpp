@@ -22,7 +22,8 @@ constexpr int kRows = 4;
 inline __m256 top_byte_to_float(__m256i t) {
   const __m256i mag = _mm256_srli_epi32(_mm256_and_si256(t, _mm256_set1_epi32(0x7f000000)), 4);
   const __m256 v = _mm256_mul_ps(_mm256_castsi256_ps(mag), _mm256_set1_ps(0x1p120f));
-  return _mm256_or_ps(v, _mm256_castsi256_ps(_mm256_and_si256(t, _mm256_set1_epi32(static_cast<int>(0x80000000u)))));
+  return _mm256_or_ps(
+      v, _mm256_castsi256_ps(_mm256_and_si256(t, _mm256_set1_epi32(static_cast<int>(0x80000000u)))));
 }
 
 template <int kTileRows>

@@ -86,8 +86,8 @@ constexpr int64_t kChunkK = 512;
 // its scales into C (the sums of earlier groups live there; g0 == 0 writes C first).
 template <int kRows, int kPanels>
 __attribute__((noinline)) void gemm_fp8_tile(const Bf16Rows& a, int i0, const uint16_t* dec,
-                                             const uint8_t* panel0, int64_t panel_stride, int64_t g0, int64_t g1,
-                                             float* c, int64_t ldc) {
+                                             const uint8_t* panel0, int64_t panel_stride, int64_t g0,
+                                             int64_t g1, float* c, int64_t ldc) {
   for (int64_t gi = g0; gi < g1; ++gi) {
     __m512 acc[kRows][kPanels];
     for (int i = 0; i < kRows; ++i)
@@ -148,7 +148,8 @@ void gemm_fp8(int m, int64_t K, int group, const Bf16Rows& a, const uint8_t* pan
           for (int64_t gi = g0; gi < g1; ++gi) {
             const uint8_t* w = panel0 + p * stride + gi * kGroupBytes;
             uint16_t* d = decoded.data() + (p * kChunkK / 2 + (gi - g0) * kGroup / 2) * 32;
-            for (int r = 0; r < kGroup / 2; ++r) _mm512_store_si512(d + r * 32, (__m512i)decode_row(w + r * 32));
+            for (int r = 0; r < kGroup / 2; ++r)
+              _mm512_store_si512(d + r * 32, (__m512i)decode_row(w + r * 32));
           }
         for (int i0 = 0; i0 < m; i0 += kTileRows)
           with_count<kTileRows>(std::min(kTileRows, m - i0), [&](auto rows) {

@@ -35,10 +35,10 @@ void quantize_rows(const void* src, DType dtype, CanonicalMatrix& dst, int64_t r
 
 namespace kt::kernels {
 // The A16 GEMM of both FP8 methods, per family (src/methods/fp8/<isa>.cpp).
-#define KT_DECLARE_FP8(ns)                                                                           \
-  namespace ns {                                                                                     \
+#define KT_DECLARE_FP8(ns)                                                                          \
+  namespace ns {                                                                                    \
   void gemm_fp8(int m, int64_t K, int group, const Bf16Rows& a, const uint8_t* panels, int npanels, \
-                float* c, int64_t ldc);                                                              \
+                float* c, int64_t ldc);                                                             \
   }
 KT_DECLARE_FP8(scalar)
 KT_DECLARE_FP8(avx2)
