@@ -13,6 +13,7 @@ import torch
 
 def run_check_engine(threads: int | None = None) -> int:
     from kt_sglang.engine import KTMoEWrapper
+    from kt_sglang.engine.methods import METHODS
     from kt_sglang.engine.native import _native
     from kt_sglang.engine.pools import physical_cores
     from kt_sglang.engine.reference import moe_reference, relative_error
@@ -28,9 +29,9 @@ def run_check_engine(threads: int | None = None) -> int:
         f"{threads} thread(s)"
     )
     print(f"layer: {E} experts, top-{k}, hidden {H}, intermediate {I}")
-    bounds = {"BF16": 0.01, "AMXINT8": 0.02, "AMXINT4": 0.16}
     ok = True
-    for method, bound in bounds.items():
+    for method, info in METHODS.items():
+        bound = info.error_bound
         layer = KTMoEWrapper(0, E, k, H, I, None, threads, 1, method=method)
         layer.load_weights_from_tensors(gate.bfloat16(), up.bfloat16(), down.bfloat16())
         for T in (1, 256):
@@ -44,7 +45,8 @@ def run_check_engine(threads: int | None = None) -> int:
             err = relative_error(out, moe_reference(x, gate, up, down, ids, w))
             ok &= err <= bound
             print(
-                f"  {method:8s} T={T:4d}: {dt * 1e3:7.2f} ms  rel. error vs float32 {err:.4f} (bound {bound})"
+                f"  {method.value:14s} T={T:4d}: {dt * 1e3:7.2f} ms  "
+                f"rel. error vs float32 {err:.4f} (bound {bound:g})"
             )
     print("result: " + ("all methods within their error bounds" if ok else "ERROR BOUND EXCEEDED"))
     return 0 if ok else 1

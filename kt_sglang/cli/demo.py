@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 
 DEFAULT_WORKDIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kt-sglang" / "demo"
-CONVERT_METHOD = {"AMXINT4": "int4", "AMXINT8": "int8"}
 
 
 def _prepare_model(workdir: Path) -> Path:
@@ -30,14 +29,15 @@ def _prepare_model(workdir: Path) -> Path:
 
 
 def _convert(model: Path, workdir: Path, method: str, threads: int) -> Path:
+    from kt_sglang.engine.methods import parse_method
     from kt_sglang.weights.convert_cpu import main as convert_cpu
 
-    if method not in CONVERT_METHOD:  # BF16 serves from the checkpoint itself
+    if not parse_method(method).is_quantized():  # bf16 weights serve from the checkpoint itself
         return model
     out = workdir / f"cpu-weights-{method.lower()}"
     print(f"==> converting the experts to {method} in {out}")
     args = ["--input-path", str(model), "--input-type", "bf16", "--output", str(out)]
-    args += ["--quant-method", CONVERT_METHOD[method], "--cpuinfer-threads", str(threads)]
+    args += ["--quant-method", method, "--cpuinfer-threads", str(threads)]
     if convert_cpu(args) != 0:
         raise RuntimeError("converting the tiny model failed (see above)")
     return out

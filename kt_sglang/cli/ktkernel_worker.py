@@ -28,7 +28,21 @@ import traceback
 import torch
 
 # Bytes per weight of kt-kernel's packed formats (scales are per row: negligible).
-PACKED_BYTES_PER_WEIGHT = {"BF16": 2.0, "AMXINT8": 1.0, "AMXINT4": 0.5}
+PACKED_BYTES_PER_WEIGHT = {"BF16": 2.0, "AMXINT8": 1.0, "AMXINT4": 0.5, "FP8": 1.0, "FP8_PERCHANNEL": 1.0}
+
+
+def _to_fp8(w: torch.Tensor, per_channel: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 weights and fp32 scales (amax / 448 per 128 x 128 block or per row), as FP8 checkpoints
+    ship them."""
+    w = w.float()
+    if per_channel:
+        scale = w.abs().amax(dim=1).clamp(min=1e-12) / 448.0
+        return (w / scale[:, None]).to(torch.float8_e4m3fn), scale.contiguous()
+    N, K = w.shape
+    blocks = w.reshape(N // 128, 128, K // 128, 128)
+    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0
+    q = (blocks / scale[:, None, :, None]).reshape(N, K).to(torch.float8_e4m3fn)
+    return q, scale.contiguous()
 
 
 class KtKernelLayers:
@@ -65,6 +79,28 @@ class KtKernelLayers:
                 config = moe.MOEConfig(experts, top_k, hidden, intermediate, self.mask.data_ptr())
                 # max_len sizes its scratch (GBs for DeepSeek at 4096): no larger than the run needs
                 config.layer_idx, config.pool, config.max_len = c, self.cpu.backend_, max_tokens
+                if method in ("FP8", "FP8_PERCHANNEL"):  # the checkpoint's tensors, per expert
+                    per_channel = method == "FP8_PERCHANNEL"
+                    fp8 = [[_to_fp8(t, per_channel) for t in proj] for proj in (gate, up, down)]
+                    config.gate_projs, config.up_projs, config.down_projs = (
+                        [[q.data_ptr() for q, _ in proj]] for proj in fp8
+                    )
+                    config.gate_scales, config.up_scales, config.down_scales = (
+                        [[s.data_ptr() for _, s in proj]] for proj in fp8
+                    )
+                    config.quant_config.bits = 8
+                    config.quant_config.zero_point = False
+                    if per_channel:
+                        config.quant_config.per_channel = True
+                        layer = moe.AMXFP8PerChannel_MOE(config)
+                    else:
+                        config.quant_config.group_size = 128
+                        layer = moe.AMXFP8_MOE(config)
+                    self.cpu.submit(layer.load_weights_task(identity.data_ptr()))
+                    self.cpu.sync()
+                    self.layers.append(layer)
+                    del fp8
+                    continue
                 if method == "BF16":
                     config.gate_projs = [[t.data_ptr() for t in gate]]
                     config.up_projs = [[t.data_ptr() for t in up]]

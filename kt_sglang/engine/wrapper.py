@@ -211,8 +211,9 @@ class KTMoEWrapper:
 
     def load_weights(self, physical_to_logical_map: torch.Tensor | list[int] | None = None) -> None:
         """Loads this layer's experts from ``weight_path``: a canonical directory written by
-        ``kt-sglang convert-cpu``, or the Hugging Face checkpoint itself (bf16 / fp16 / fp32 / FP8 with
-        block scales), quantized to ``method`` on load.
+        ``kt-sglang convert-cpu``, or the Hugging Face checkpoint itself (bf16 / fp16 / fp32 / FP8),
+        quantized to ``method`` on load; a method storing e4m3 weights takes an FP8 checkpoint's
+        values as they are.
 
         Slot e takes checkpoint expert ``physical_to_logical_map[e]`` (identity by default); only the
         experts named are read.
