@@ -172,7 +172,8 @@ def test_mixtral_bf16_greedy_ids_equal_hf(mixtral, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "method, hot, deferred", [("AMXINT8", 2, 0), ("AMXINT4", 2, 0), ("BF16", 2, 1), ("AMXINT4", 3, 1)]
+    "method, hot, deferred",
+    [("AMXINT8", 2, 0), ("AMXINT4", 2, 0), ("BF16", 2, 1), ("AMXINT4", 3, 1), ("FP8", 2, 0)],
 )
 def test_qwen3_moe_server_equals_standalone_stack(qwen, method, hot, deferred, tmp_path, record_property):
     """Quantized methods and deferral: identical ids to HF's model run through our standalone layer
@@ -206,7 +207,7 @@ def _launch_error(args: list[str]) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--kt-method", "FP8"], "method 'FP8' is not supported yet"),
+        (["--kt-method", "RAWINT4"], "method 'RAWINT4' is not supported yet"),
         (["--kt-method", "INT3"], "unknown method 'INT3'"),
         (["--kt-num-gpu-experts", "9"], "--kt-num-gpu-experts 9 is more than the model's 8 experts"),
         (["--kt-max-deferred-experts-per-token", "2"], "use 0..1"),

@@ -84,8 +84,8 @@ const KernelTable& kernel_table(Isa isa);
 Isa selected_isa();
 
 namespace kernels {
-// The BF16, INT8 and INT4 kernels of each family (src/kernels/<isa>/); other methods declare theirs
-// in their own folder (src/methods/<method>/).
+// The BF16, INT8 and INT4 kernels of each family (src/methods/<method>/<isa>.cpp); other methods
+// declare theirs in their own folder (src/methods/<method>/<method>.h).
 #define KT_DECLARE_KERNELS(ns)                                                                           \
   namespace ns {                                                                                         \
   void gemm_bf16(int m, int64_t K, int group, const Bf16Rows& a, const uint8_t* panels, int npanels,     \

@@ -14,6 +14,11 @@
 
 namespace kt::kernels {
 
+// The methods whose packed groups these kernels decode: a method of another layout has its own
+// kernels (src/methods/<method>/) and must never reach an INT8 / INT4 branch.
+template <Method M>
+inline constexpr bool kIntegerMethod = M == Method::kInt8 || M == Method::kInt4;
+
 template <Method M>
 struct GroupScales {
   // fp16 scale (and min) of channel n in the group's scale block.

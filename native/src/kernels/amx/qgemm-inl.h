@@ -50,6 +50,7 @@ inline void stage_group(const uint8_t* w, int group, int64_t gbytes, uint8_t* ou
 template <Method M>
 void gemm_quant(int m, int64_t K, int group, const QuantRows& a, const uint8_t* panels, int npanels, float* c,
                 int64_t ldc, GemmQ8Fn small) {
+  static_assert(kIntegerMethod<M>, "the integer GEMM decodes AMXINT8 and AMXINT4 weights only");
   if (m <= 4 || group % 64 != 0) return small(m, K, group, a, panels, npanels, c, ldc);
   configure_tiles();
   const int64_t groups = K / group;

@@ -112,6 +112,7 @@ inline constexpr int64_t kDequantChunkBytes = 512 * 1024;
 template <Method M>
 void gemm_quant_a16(int m, int64_t K, int group, const Bf16Rows& a, const uint8_t* panels, int npanels,
                     float* c, int64_t ldc, GemmA16Fn small) {
+  static_assert(kIntegerMethod<M>, "the integer GEMM decodes AMXINT8 and AMXINT4 weights only");
   if (m <= 4) return small(m, K, group, a, panels, npanels, c, ldc);
   const int64_t pbytes = panel_bytes(M, group, K), gbytes = group_bytes(M, group);
   const int64_t group_bf16_bytes = group * kPanelWidth * 2;  // one group of one panel, dequantized

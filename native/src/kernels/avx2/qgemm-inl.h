@@ -94,6 +94,7 @@ inline void gemm_quant_tile(int64_t K, const QuantRows& a, int i0, const uint8_t
 template <Method M>
 void gemm_quant(int m, int64_t K, int group, const QuantRows& a, const uint8_t* panels, int npanels, float* c,
                 int64_t ldc) {
+  static_assert(kIntegerMethod<M>, "the integer GEMM decodes AMXINT8 and AMXINT4 weights only");
   const int64_t stride = panel_bytes(M, group, K);
   with_group(group, [&](auto group_size) {
     for_each_tile<kTileRows, 1>(m, npanels, [&](auto rows, auto, int i0, int p) {

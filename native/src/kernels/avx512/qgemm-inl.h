@@ -159,6 +159,7 @@ inline constexpr int kMaxRowBlockRows = 8;
 template <Method M>
 void gemm_quant(int m, int64_t K, int group, const QuantRows& a, const uint8_t* panels, int npanels, float* c,
                 int64_t ldc) {
+  static_assert(kIntegerMethod<M>, "the integer GEMM decodes AMXINT8 and AMXINT4 weights only");
   const int64_t stride = panel_bytes(M, group, K);
   with_group(group, [&](auto group_size) {
     constexpr int kGroup = decltype(group_size)::value;

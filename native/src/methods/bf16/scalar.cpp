@@ -1,5 +1,5 @@
 // Portable twin of every bf16 kernel: the reference the SIMD families are tested against.
-#include "../activations.h"
+#include "../../kernels/activations.h"
 #include "kt/float_types.h"
 #include "kt/quant_types.h"
 

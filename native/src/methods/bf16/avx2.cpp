@@ -2,8 +2,8 @@
 // one panel (two halves of 8 channels): the weights are widened once per tile for all of its rows.
 #include <immintrin.h>
 
-#include "../activations.h"
-#include "../tiles.h"
+#include "../../kernels/activations.h"
+#include "../../kernels/tiles.h"
 #include "kt/quant_types.h"
 
 namespace kt::kernels::avx2 {

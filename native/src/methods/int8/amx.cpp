@@ -1,5 +1,5 @@
-#include "qgemm-inl.h"
-#include "qgemm_a16-inl.h"
+#include "../../kernels/amx/qgemm-inl.h"
+#include "../../kernels/amx/qgemm_a16-inl.h"
 
 namespace kt::kernels::amx {
 

@@ -1,7 +1,7 @@
-#include "qgemm-inl.h"
-#include "qgemm_a16-inl.h"
+#include "../../kernels/avx2/qgemm-inl.h"
+#include "../../kernels/avx2/qgemm_a16-inl.h"
 
-namespace kt::kernels::avx512 {
+namespace kt::kernels::avx2 {
 
 void gemm_int4(int m, int64_t K, int group, const QuantRows& a, const uint8_t* panels, int npanels, float* c,
                int64_t ldc) {
@@ -13,4 +13,4 @@ void gemm_int4_a16(int m, int64_t K, int group, const Bf16Rows& a, const uint8_t
   gemm_quant_a16<Method::kInt4>(m, K, group, a, panels, npanels, c, ldc);
 }
 
-}  // namespace kt::kernels::avx512
+}  // namespace kt::kernels::avx2

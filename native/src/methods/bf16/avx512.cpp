@@ -4,9 +4,9 @@
 
 #include <algorithm>
 
-#include "../activations.h"
+#include "../../kernels/activations.h"
+#include "../../kernels/avx512/row_blocks-inl.h"
 #include "kt/quant_types.h"
-#include "row_blocks-inl.h"
 
 namespace kt::kernels::avx512 {
 

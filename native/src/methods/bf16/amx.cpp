@@ -10,8 +10,8 @@
 #include <algorithm>
 #include <vector>
 
+#include "../../kernels/amx/tile_config.h"
 #include "kt/quant_types.h"
-#include "tile_config.h"
 
 namespace kt::kernels::amx {
 
