@@ -159,3 +159,28 @@ def test_native_quantizer_validates_before_writing():
             _native.Method.AMXINT8, 64, w.data_ptr(), _native.DType.float32, 4, 64, 0, 0, 0
         )
     assert torch.count_nonzero(out) == 0
+
+
+@pytest.mark.parametrize("method", ["FP8", "FP8_PERCHANNEL"])
+@pytest.mark.parametrize("N,K", [(128, 256), (200, 333), (1, 130)])
+def test_fp8_quantization_matches_torch_e4m3_cast(method, N, K):
+    """amax / 448 scales per 128 x 128 block (FP8) or per row (FP8_PERCHANNEL), values rounded to
+    e4m3 to nearest even: the same bytes as torch's float8_e4m3fn cast of w * (448 / amax)."""
+    from kt_sglang.engine.canonical import quantize as quantize_canonical
+
+    gen = torch.Generator().manual_seed(N + K)
+    w = torch.randn(N, K, generator=gen) * torch.logspace(-3, 2, K)  # several binades, some subnormal
+    w[0, :3] = torch.tensor([0.0, -0.0, 1e-30])
+    m = quantize_canonical(method, w)
+    rows = 1 if method == "FP8_PERCHANNEL" else 128
+    cols = K if method == "FP8_PERCHANNEL" else 128
+    expected = torch.empty(N, K, dtype=torch.float8_e4m3fn)
+    for r0 in range(0, N, rows):
+        for c0 in range(0, K, cols):
+            block = w[r0 : r0 + rows, c0 : c0 + cols]
+            amax = block.abs().max()
+            scale = m.scales[r0] if method == "FP8_PERCHANNEL" else m.scales[r0 // 128, c0 // 128]
+            assert scale.item() == (amax / 448.0).item()
+            inv = 448.0 / amax if amax > 0 else torch.tensor(0.0)
+            expected[r0 : r0 + rows, c0 : c0 + cols] = (block * inv).clamp(-448, 448).to(torch.float8_e4m3fn)
+    assert torch.equal(m.weight.view(torch.uint8), expected.view(torch.uint8))

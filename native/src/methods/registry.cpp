@@ -21,6 +21,9 @@ bool has_avx512_bf16(const CpuFeatures& f) {
 bool has_avx512_vnni(const CpuFeatures& f) {
   return f.avx512_vnni;
 }
+bool has_avx512_bf16_vbmi(const CpuFeatures& f) {
+  return f.avx512_bf16 && f.avx512_vbmi;
+}
 
 constexpr MethodOps kOps[kNumMethods] = {
     {pack_group_bf16, quantize_rows_rowwise},  // BF16
@@ -46,10 +49,10 @@ constexpr KernelRow kKernels[] = {
     {Method::kInt4, Isa::kAmx, always, k::amx::gemm_int4, k::amx::gemm_int4_a16},
     {Method::kFp8, Isa::kScalar, always, nullptr, k::scalar::gemm_fp8},
     {Method::kFp8, Isa::kAvx2, always, nullptr, k::avx2::gemm_fp8},
-    {Method::kFp8, Isa::kAvx512, has_avx512_bf16, nullptr, k::avx512::gemm_fp8},
+    {Method::kFp8, Isa::kAvx512, has_avx512_bf16_vbmi, nullptr, k::avx512::gemm_fp8},
     {Method::kFp8PerChannel, Isa::kScalar, always, nullptr, k::scalar::gemm_fp8},
     {Method::kFp8PerChannel, Isa::kAvx2, always, nullptr, k::avx2::gemm_fp8},
-    {Method::kFp8PerChannel, Isa::kAvx512, has_avx512_bf16, nullptr, k::avx512::gemm_fp8},
+    {Method::kFp8PerChannel, Isa::kAvx512, has_avx512_bf16_vbmi, nullptr, k::avx512::gemm_fp8},
 };
 
 std::string upper(std::string_view s) {

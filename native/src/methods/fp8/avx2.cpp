@@ -38,10 +38,15 @@ void gemm_fp8_tile(int64_t K, const Bf16Rows& a, int i0, const uint8_t* panel, f
       for (int i = 0; i < kTileRows; ++i)
         x[i] = reinterpret_cast<const int32_t*>(bf16_at(a, i0 + i, gi * kGroup + k));
       for (int j = 0; j < 16; ++j) {
+        // Row k/2 + j shares 64 bytes with its neighbour (fp8.h): its 8-byte pieces for channels
+        // 8h..8h+7 sit in the two 16-byte lanes 2h and 2h + 1.
+        const uint8_t* block = w + (k / 2 + j / 2 * 2) * 32;
         __m256 even[2], odd[2];  // channels 8h..8h+7: their K-values 2j and 2j + 1
         for (int h = 0; h < 2; ++h) {
-          const __m256i pairs = _mm256_cvtepu16_epi32(
-              _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + (k / 2 + j) * 32 + 16 * h)));
+          const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 32 * h));
+          const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 32 * h + 16));
+          const __m256i pairs =
+              _mm256_cvtepu16_epi32(j % 2 == 0 ? _mm_unpacklo_epi64(a, b) : _mm_unpackhi_epi64(a, b));
           even[h] = top_byte_to_float(_mm256_slli_epi32(pairs, 24));
           odd[h] = top_byte_to_float(_mm256_slli_epi32(pairs, 16));
         }

@@ -22,22 +22,14 @@ uint8_t float_to_e4m3(float x) {
   if (std::isnan(x)) return 0x7f;
   const uint8_t sign = std::signbit(x) ? 0x80 : 0x00;
   const float a = std::min(std::fabs(x), 448.0f);
-  // Nearest of the 127 non-negative finite values, ties to the even code (codes ascend with value).
-  int lo = 0, hi = 0x7e;
-  while (lo < hi) {  // first code whose value is >= a
-    const int mid = (lo + hi) / 2;
-    if (e4m3_to_float(static_cast<uint8_t>(mid)) < a)
-      lo = mid + 1;
-    else
-      hi = mid;
-  }
-  int code = lo;
-  if (code > 0) {
-    const float above = e4m3_to_float(static_cast<uint8_t>(code)) - a;
-    const float below = a - e4m3_to_float(static_cast<uint8_t>(code - 1));
-    if (below < above || (below == above && (code - 1) % 2 == 0)) code -= 1;
-  }
-  return static_cast<uint8_t>(sign | code);
+  if (a < 0x1p-6f)  // subnormal codes 0..7 (and 8, the smallest normal) count steps of 2^-9
+    return static_cast<uint8_t>(sign | static_cast<uint8_t>(std::nearbyint(a * 0x1p9f)));
+  // Normal: keep 3 of fp32's 23 mantissa bits, rounding half to even; a carry moves into the
+  // exponent as it should. Exponent bias 127 -> 7.
+  uint32_t bits;
+  std::memcpy(&bits, &a, 4);
+  bits += 0x7ffff + ((bits >> 20) & 1);
+  return static_cast<uint8_t>(sign | ((bits >> 20) - ((127 - 7) << 3)));
 }
 
 namespace {
@@ -66,7 +58,7 @@ void pack_group(const CanonicalMatrix& src, const PackRegion& region, int64_t n0
             throw std::invalid_argument("FP8 weight is NaN at row " + std::to_string(row) + ", column " +
                                         std::to_string(col));
         }
-        dst[(r * kPanelWidth + n) * 2 + j] = b;
+        dst[packed_offset(r, n, j)] = b;
       }
   auto* s = reinterpret_cast<float*>(dst + group_weight_bytes(src.method, kBlock));
   for (int n = 0; n < kPanelWidth; ++n) {

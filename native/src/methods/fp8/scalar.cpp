@@ -22,7 +22,7 @@ void gemm_fp8(int m, int64_t K, int group, const Bf16Rows& a, const uint8_t* pan
           const uint16_t* x = bf16_at(a, i, gi * group + 2 * r);
           const float a0 = bf16_to_float(x[0]), a1 = bf16_to_float(x[1]);
           for (int n = 0; n < kPanelWidth; ++n)
-            sum[n] += a0 * table[w[(r * kPanelWidth + n) * 2]] + a1 * table[w[(r * kPanelWidth + n) * 2 + 1]];
+            sum[n] += a0 * table[w[fp8::packed_offset(r, n, 0)]] + a1 * table[w[fp8::packed_offset(r, n, 1)]];
         }
         const auto* scale = reinterpret_cast<const float*>(w + wbytes);
         for (int n = 0; n < kPanelWidth; ++n) acc[n] += scale[n] * sum[n];
