@@ -119,27 +119,14 @@ def test_kernel_against_scalar_and_float32(isa, method, group, int8_input, m, np
 def test_zero_padding_past_the_source(method):
     """K not a multiple of the group and N not of 16: packing zero-fills the rest, so a kernel over
     the padded sizes equals the product over the source's."""
-    info = METHODS[next(m for m in METHODS if m.value == method)]
-    group = info.default_group
+    group = next(info for m, info in METHODS.items() if m.value == method).default_group
     N, K = 21, group + 40
     w = torch.randn(N, K, generator=torch.Generator().manual_seed(3)) / K**0.5
-    canon = quantize(method, w.bfloat16(), group)
+    dense, packed = _packed(method, group, w)
     Kp, Np = -(-K // max(group, 64)) * max(group, 64), 32
-    packed = torch.zeros(
-        _native.packed_bytes(getattr(_native.Method, method), group, N, K), dtype=torch.uint8
-    )
-    _native.pack_matrix(
-        getattr(_native.Method, method),
-        group,
-        N,
-        K,
-        *(t.data_ptr() if t is not None else 0 for t in (canon.weight, canon.scales, canon.mins)),
-        packed.data_ptr(),
-    )
     x = torch.zeros(3, Kp)
     x[:, :K] = torch.randn(3, K, generator=torch.Generator().manual_seed(4))
     x = x.bfloat16()
     out = _run("scalar", method, False, 3, Kp, group, (x, None, None), packed, Np // 16)
-    reference = x[:, :K].float() @ dequantize(method, canon, K, group).T
-    assert relative_error(out[:, :N], reference) <= REFERENCE_BOUND
+    assert relative_error(out[:, :N], x[:, :K].float() @ dense.T) <= REFERENCE_BOUND
     assert torch.count_nonzero(out[:, N:]) == 0
