@@ -1,8 +1,8 @@
 // AVX-512 BF16 + VBMI FP8 GEMM: every 64 packed bytes (two rows of 16 channels x 2 K-values) are
 // decoded to two rows of 32 bf16 in registers and multiplied by vdpbf16ps, as the BF16 kernel does
-// with its stored rows. Decode (up to 4 rows of A): passes of one panel, decoding in the pass.
-// Prefill: a tile's panels are decoded once per K-chunk into a bf16 buffer (BF16's packed layout)
-// that every row tile then reads, so the decode costs a small share of a call whatever its rows.
+// with its stored rows. Up to 16 rows of A: passes of one panel, decoding in the pass. More: a
+// tile's panels are decoded once per K-chunk into a bf16 buffer (BF16's packed layout) that every
+// row tile then reads, so the decode costs a small share of a call however many rows it has.
 // VBMI (vpermi2b) is asked for here only: the registry gives this kernel to CPUs that have it.
 #pragma GCC target("avx512vbmi")
 #include <immintrin.h>
