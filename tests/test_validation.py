@@ -45,6 +45,8 @@ def layer():
     [
         (dict(num_experts_per_tok=9), "num_experts_per_tok=9 is larger than num_experts=8"),
         (dict(num_experts=0), "num_experts must be a positive integer"),
+        (dict(num_experts=2**31), "num_experts=2147483648 is larger than the engine takes"),
+        (dict(hidden_size=2**40), "hidden_size=1099511627776 is larger than the engine takes"),
         (dict(hidden_size=-4), "hidden_size must be a positive integer"),
         (dict(cpuinfer_threads=0), "cpuinfer_threads must be a positive integer"),
         (dict(cpuinfer_threads=physical_cores() + 1), "more than the .* physical cores"),
@@ -93,20 +95,48 @@ def test_isa_env_variable(monkeypatch):
     assert new_layer().isa == "scalar"
 
 
-def test_prefetch_env_variable(tmp_path):
-    """Read once per process, so checked in a fresh one: a bad value fails the layer's construction."""
+@pytest.mark.parametrize(
+    "variable,bad,message",
+    [
+        (
+            "KT_SGLANG_PREFETCH_BYTES",
+            ("abc", "-1", "70000"),
+            "is not a byte count (0: no prefetch): use 0 to 65536",
+        ),
+        (
+            "KT_SGLANG_SPIN_US",
+            ("abc", "-5", "1e3", "99999999999999999999"),
+            "is not a spin time in microseconds",
+        ),
+    ],
+)
+def test_engine_env_variables(variable, bad, message, tmp_path):
+    """Read once per process, so checked in a fresh one: a bad value fails the layer's construction
+    with one ValueError naming the variable, before any worker starts."""
     make = "from kt_sglang import KTMoEWrapper; KTMoEWrapper(0, 8, 2, 256, 192, None, 1, 1, method='BF16')"
-    for bad in ("abc", "-1", "70000"):
+    for value in bad:
         r = subprocess.run(
             [sys.executable, "-c", make],
             capture_output=True,
             text=True,
             timeout=120,
             cwd=tmp_path,  # not the source tree, whose kt_sglang has no built engine
-            env={**os.environ, "KT_SGLANG_PREFETCH_BYTES": bad},
+            env={**os.environ, variable: value},
         )
         assert r.returncode != 0
-        assert f"ValueError: KT_SGLANG_PREFETCH_BYTES='{bad}' is not a byte count" in r.stderr
+        assert f"ValueError: {variable}='{value}' {message}" in r.stderr, r.stderr[-1500:]
+        assert "terminate called" not in r.stderr
+
+
+def test_stats_interval_env_variable(monkeypatch, tmp_path):
+    from kt_sglang.placement.stats import StatsRecorder
+
+    for bad in ("abc", "0", "-2"):
+        monkeypatch.setenv("KT_SGLANG_STATS_INTERVAL_S", bad)
+        with pytest.raises(ValueError, match=f"KT_SGLANG_STATS_INTERVAL_S='{bad}' is not a positive number"):
+            StatsRecorder(tmp_path / "stats.json", 8)
+    monkeypatch.setenv("KT_SGLANG_STATS_INTERVAL_S", "0.5")
+    assert StatsRecorder(tmp_path / "stats.json", 8).interval_s == 0.5
 
 
 def test_unsupported_isa_is_a_clear_error(monkeypatch):

@@ -271,3 +271,24 @@ def test_disk_full_leaves_nothing_partial(tmp_path, checkpoint, monkeypatch):
     monkeypatch.setattr(files, "save_file", real_save)
     assert main(argv) == 0  # resumes: only the missing layer is written
     assert sorted(p.name for p in out.iterdir())[-1] == "layer-00002.safetensors"
+
+
+def test_broken_manifest_names_the_file(tmp_path, checkpoint):
+    """A manifest that is not JSON, not an object, or lacks a field: one ValueError naming the file."""
+    import json
+
+    out = tmp_path / "out"
+    assert convert(*convert_args(checkpoint, out, "int8")).returncode == 0
+    manifest = out / "kt_weights.json"
+    good = json.loads(manifest.read_text())
+    without_method = {k: v for k, v in good.items() if k != "method"}
+    for text, message in (
+        ('{"format": "kt-sglang-experts", "vers', "is not valid JSON"),
+        ("[1, 2]", "holds list, not a manifest object"),
+        (json.dumps(without_method), "lacks method: convert again"),
+        (json.dumps({**good, "colour": "red"}), "has unknown colour: convert again"),
+    ):
+        manifest.write_text(text)
+        with pytest.raises(ValueError, match=f"kt_weights.json {message}") as info:
+            engine_output(out, "AMXINT8")
+        assert str(manifest) in str(info.value)

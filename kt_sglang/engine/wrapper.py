@@ -12,6 +12,10 @@ from kt_sglang.engine.methods import parse_method, resolve_group
 from kt_sglang.engine.native import NATIVE_DTYPES, _native
 from kt_sglang.engine.pools import SharedRunner, plan_pools, selected_isa
 
+# What the engine's sizes hold (expert ids are int32 there); far past any model's.
+_MAX_EXPERTS = 2**31 - 1
+_MAX_DIM = 2**31 - 1
+
 
 def _contiguous(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     # Tested first: on the decode path every torch call costs microseconds on cold caches.
@@ -88,14 +92,16 @@ class KTMoEWrapper:
         group_size: int | None = None,
         isa: str | None = None,
     ) -> None:
-        for name, value in (
-            ("num_experts", num_experts),
-            ("num_experts_per_tok", num_experts_per_tok),
-            ("hidden_size", hidden_size),
-            ("moe_intermediate_size", moe_intermediate_size),
+        for name, value, largest in (
+            ("num_experts", num_experts, _MAX_EXPERTS),
+            ("num_experts_per_tok", num_experts_per_tok, _MAX_EXPERTS),
+            ("hidden_size", hidden_size, _MAX_DIM),
+            ("moe_intermediate_size", moe_intermediate_size, _MAX_DIM),
         ):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            if value > largest:
+                raise ValueError(f"{name}={value} is larger than the engine takes (at most {largest})")
         if num_experts_per_tok > num_experts:
             raise ValueError(
                 f"num_experts_per_tok={num_experts_per_tok} is larger than num_experts={num_experts}"

@@ -92,7 +92,13 @@ class StatsRecorder:
         self.path = Path(path)
         self.num_experts = num_experts
         if interval_s is None:
-            interval_s = float(os.environ.get("KT_SGLANG_STATS_INTERVAL_S", "5"))
+            raw = os.environ.get("KT_SGLANG_STATS_INTERVAL_S", "") or "5"
+            try:
+                interval_s = float(raw)
+            except ValueError:
+                interval_s = -1.0
+            if not interval_s > 0:
+                raise ValueError(f"KT_SGLANG_STATS_INTERVAL_S={raw!r} is not a positive number of seconds")
         self.interval_s = interval_s
         self._base = PlacementStats.read(self.path) if self.path.exists() else PlacementStats(num_experts)
         self._base.counts(0, num_experts)  # the same expert count, or a clear error

@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
@@ -60,12 +60,33 @@ class Manifest:
 
     @classmethod
     def read(cls, directory: Path) -> Manifest:
+        """The manifest of a converted directory; ValueError naming the file when it cannot be."""
         path = Path(directory) / MANIFEST
-        data = json.loads(path.read_text())
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path} is not valid JSON ({exc}): convert again") from exc
+        except OSError as exc:
+            raise ValueError(f"cannot read {path}: {exc.strerror or exc}") from exc
+        if not isinstance(data, dict):
+            raise ValueError(f"{path} holds {type(data).__name__}, not a manifest object: convert again")
         if data.get("format") != FORMAT or data.get("version") != VERSION:
             raise ValueError(
                 f"{path}: format {data.get('format')!r} v{data.get('version')} is not {FORMAT} v{VERSION}"
             )
+        names = {f.name for f in fields(cls)}
+        missing = sorted(names - set(data))
+        unknown = sorted(set(data) - names)
+        if missing or unknown:
+            what = "; ".join(
+                part
+                for part in (
+                    f"lacks {', '.join(missing)}" if missing else "",
+                    f"has unknown {', '.join(unknown)}" if unknown else "",
+                )
+                if part
+            )
+            raise ValueError(f"{path} {what}: convert again")
         return cls(**data)
 
 

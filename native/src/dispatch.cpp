@@ -4,6 +4,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "kt/env.h"
 #include "kt/kernels.h"
 #include "methods/registry.h"
 
@@ -57,16 +58,9 @@ const KernelTable& kernel_table(Isa isa) {
 }
 
 int64_t weight_prefetch_bytes() {
-  static const int64_t bytes = [] {
-    const char* env = std::getenv("KT_SGLANG_PREFETCH_BYTES");
-    if (!env || !*env) return int64_t{cpu_features().vendor == "GenuineIntel" ? 4096 : 0};
-    char* end = nullptr;
-    const long long v = std::strtoll(env, &end, 10);
-    if (*end != '\0' || v < 0 || v > 65536)
-      throw std::invalid_argument(std::string("KT_SGLANG_PREFETCH_BYTES='") + env +
-                                  "' is not a byte count: use 0 (no prefetch) to 65536");
-    return static_cast<int64_t>(v);
-  }();
+  static const int64_t bytes =
+      env_integer("KT_SGLANG_PREFETCH_BYTES", cpu_features().vendor == "GenuineIntel" ? 4096 : 0, 0, 65536,
+                  "a byte count (0: no prefetch)");
   return bytes;
 }
 

@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <stdexcept>
 
+#include "kt/env.h"
 #include "kt/topology.h"
 
 namespace kt {
@@ -37,14 +38,13 @@ bool spin_until(F done, int microseconds) {
 int Runner::spin_microseconds() {
   // Short: on small machines the thread that feeds the engine (SGLang's scheduler) needs the cores
   // between layers.
-  static const int us = [] {
-    const char* env = std::getenv("KT_SGLANG_SPIN_US");
-    return env ? std::max(0, std::atoi(env)) : 50;
-  }();
+  static const int us = static_cast<int>(
+      env_integer("KT_SGLANG_SPIN_US", 50, 0, 1000000, "a spin time in microseconds (0: sleep at once)"));
   return us;
 }
 
 Runner::Runner(std::vector<PoolSpec> pools) : pools_(std::move(pools)) {
+  spin_microseconds();  // an invalid KT_SGLANG_SPIN_US fails here, not in a worker
   if (pools_.empty()) throw std::invalid_argument("Runner needs at least one pool");
   int total = 0;
   for (const auto& p : pools_) {
