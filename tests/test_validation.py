@@ -11,6 +11,7 @@ import torch
 from conftest import make_hidden, make_routing, make_weights
 
 from kt_sglang import KTMoEWrapper
+from kt_sglang.engine.methods import METHODS
 from kt_sglang.engine.pools import physical_cores
 
 E, K, H, I = 8, 2, 256, 192
@@ -243,3 +244,43 @@ def test_engine_names_the_token_of_a_later_chunk():
     )
     with pytest.raises(ValueError, match=r"expert id -7 at token 3, slot 0, outside \[-1, 8\)"):
         layer._runner.wait(task)
+
+
+@pytest.mark.parametrize("method", [m.value for m in METHODS])
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")], ids=["inf", "-inf", "nan"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_non_finite_weights_are_refused_by_position(method, bad, dtype):
+    """One inf or NaN among the weights: quantized, it would give finite, wrong outputs (or vanish)."""
+    E, k, H, I = 4, 2, 256, 192
+    gate, up, down = (torch.randn(E, n, m).to(dtype) for n, m in ((I, H), (I, H), (H, I)))
+    up[2, 17, 33] = bad
+    layer = KTMoEWrapper(0, E, k, H, I, None, 2, 1, method=method)
+    kind = "NaN" if bad != bad else "infinite"
+    with pytest.raises(ValueError, match=f"expert 2 up_proj: weight at row 17, column 33 is {kind}"):
+        layer.load_weights_from_tensors(gate, up, down)
+
+
+@pytest.mark.parametrize("method", [m.value for m in METHODS if METHODS[m].quantizes_dense])
+def test_non_finite_canonical_tensors_are_refused_by_position(method):
+    """Already-quantized matrices (a converted directory, an FP8 checkpoint): scales, mins and bf16
+    weights must be finite, e4m3 weights not NaN."""
+    from kt_sglang.engine.canonical import quantize
+
+    E, k, H, I = 2, 1, 256, 128
+    mats = {
+        p: [quantize(method, torch.randn(n, m)) for _ in range(E)]
+        for p, (n, m) in (("gate", (I, H)), ("up", (I, H)), ("down", (H, I)))
+    }
+    bad = mats["down"][1]
+    if bad.weight.dtype == torch.float8_e4m3fn:
+        bad.weight.view(torch.uint8)[3, 5] = 0x7F  # e4m3fn's NaN
+        match = "expert 1 down: weight at row 3, column 5 is NaN"
+    elif bad.scales is not None:
+        bad.scales[3, 1] = float("inf")
+        match = "expert 1 down: scales at row 3, column 1 is infinite"
+    else:
+        bad.weight[3, 5] = float("inf")
+        match = "expert 1 down: weight at row 3, column 5 is infinite"
+    layer = KTMoEWrapper(0, E, k, H, I, None, 2, 1, method=method)
+    with pytest.raises(ValueError, match=match):
+        layer.load_canonical(mats["gate"], mats["up"], mats["down"])

@@ -224,6 +224,17 @@ void MoeLayer::pack_expert(int slot, const CanonicalMatrix& gate, const Canonica
 
 namespace {
 
+// Runs f; an invalid_argument it throws comes back naming the expert (and projection).
+template <class F>
+void with_context(int64_t expert, const char* projection, F&& f) {
+  try {
+    f();
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument("expert " + std::to_string(expert) + (*projection ? " " : "") + projection +
+                                ": " + e.what());
+  }
+}
+
 // A canonical matrix with storage of its own.
 struct OwnedCanonical {
   CanonicalMatrix m;
@@ -261,9 +272,15 @@ void MoeLayer::load_dense(const void* gate, const void* up, const void* down, DT
       g.reset(config_.method, I, H, group_);
       u.reset(config_.method, I, H, group_);
       d.reset(config_.method, H, I, group_);
-      quantize_rows(static_cast<const char*>(gate) + src * I * H * elem, dtype, g.m, 0, I);
-      quantize_rows(static_cast<const char*>(up) + src * I * H * elem, dtype, u.m, 0, I);
-      quantize_rows(static_cast<const char*>(down) + src * H * I * elem, dtype, d.m, 0, H);
+      with_context(src, "gate_proj", [&] {
+        quantize_rows(static_cast<const char*>(gate) + src * I * H * elem, dtype, g.m, 0, I);
+      });
+      with_context(src, "up_proj", [&] {
+        quantize_rows(static_cast<const char*>(up) + src * I * H * elem, dtype, u.m, 0, I);
+      });
+      with_context(src, "down_proj", [&] {
+        quantize_rows(static_cast<const char*>(down) + src * H * I * elem, dtype, d.m, 0, H);
+      });
       pack_expert(static_cast<int>(slot), g.m, u.m, d.m);
     });
   });
@@ -289,7 +306,12 @@ void MoeLayer::load_canonical(const std::vector<CanonicalMatrix>& gate,
   auto& counter = workspace_->load_counter.value;
   counter.store(0);
   runner_->run([&](const WorkerContext&) {
-    for_each_item(counter, E, [&](int64_t e) { pack_expert(static_cast<int>(e), gate[e], up[e], down[e]); });
+    for_each_item(counter, E, [&](int64_t e) {
+      with_context(e, "gate", [&] { check_finite(gate[e]); });
+      with_context(e, "up", [&] { check_finite(up[e]); });
+      with_context(e, "down", [&] { check_finite(down[e]); });
+      with_context(e, "", [&] { pack_expert(static_cast<int>(e), gate[e], up[e], down[e]); });
+    });
   });
   loaded_ = true;
 }

@@ -31,8 +31,21 @@ struct CanonicalMatrix {
   bool complete() const;
 };
 
-// Quantizes rows [row_begin, row_end) of a dense matrix `src` [N, K] of dtype `dtype` into `dst`.
+// Quantizes rows [row_begin, row_end) of a dense matrix `src` [N, K] of dtype `dtype` into `dst`;
+// throws std::invalid_argument naming the row and column of an inf or NaN weight.
 void quantize_rows(const void* src, DType dtype, CanonicalMatrix& dst, int64_t row_begin, int64_t row_end);
+
+// Index of the first inf or NaN of n values of `dtype` at `src`, or -1.
+int64_t first_non_finite(const void* src, DType dtype, int64_t n);
+// Throws std::invalid_argument: "<what> at row R, column C is NaN" (or "infinite").
+[[noreturn]] void throw_non_finite(const char* what, int64_t row, int64_t col, float value);
+// K values of `dtype` (columns col0.. of `row`) as floats; throws naming the row and column of an
+// inf or NaN among them.
+void load_checked_row(const void* src, DType dtype, int64_t K, int64_t row, int64_t col0, float* out);
+
+// Throws std::invalid_argument naming the tensor, row and column of an inf or NaN in the floating
+// tensors of `m` (bf16 weights, scales, mins).
+void check_finite(const CanonicalMatrix& m);
 
 // Quantizes one activation row of K floats (K a multiple of `group`) to int8 per group.
 void quantize_activation_row(const float* x, int64_t K, int group, int8_t* q, float* scale,

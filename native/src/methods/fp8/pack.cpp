@@ -84,12 +84,9 @@ void quantize_rows(const void* src, DType dtype, CanonicalMatrix& dst, int64_t r
       block.resize(static_cast<size_t>(nr * nc));
       float amax = 0.0f;
       for (int64_t r = 0; r < nr; ++r) {
-        const void* row = static_cast<const char*>(src) + (r0 + r) * K * elem;
-        for (int64_t c = 0; c < nc; ++c) {
-          const float v = load_as_float(row, dtype, c0 + c);
-          block[r * nc + c] = v;
-          amax = std::max(amax, std::fabs(v));
-        }
+        const void* row = static_cast<const char*>(src) + ((r0 + r) * K + c0) * elem;
+        load_checked_row(row, dtype, nc, r0 + r, c0, block.data() + r * nc);
+        for (int64_t c = 0; c < nc; ++c) amax = std::max(amax, std::fabs(block[r * nc + c]));
       }
       const float scale = amax / 448.0f, inv = amax > 0.0f ? 448.0f / amax : 0.0f;
       scales[per_row ? r0 : r0 / kBlock * col_blocks + cb] = scale;
