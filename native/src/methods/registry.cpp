@@ -33,6 +33,7 @@ constexpr MethodOps kOps[kNumMethods] = {
     {fp8::pack_group, fp8::quantize_rows},     // FP8_PERCHANNEL
 };
 
+// Per method in ascending ISA order: a higher family's row replaces a lower one's where usable.
 namespace k = kernels;
 constexpr KernelRow kKernels[] = {
     {Method::kBf16, Isa::kScalar, always, nullptr, k::scalar::gemm_bf16},
