@@ -132,12 +132,15 @@ def test_engine_env_variables(variable, bad, message, tmp_path):
 def test_stats_interval_env_variable(monkeypatch, tmp_path):
     from kt_sglang.placement.stats import StatsRecorder
 
-    for bad in ("abc", "0", "-2"):
+    for bad in ("abc", "-2", "nan"):
         monkeypatch.setenv("KT_SGLANG_STATS_INTERVAL_S", bad)
-        with pytest.raises(ValueError, match=f"KT_SGLANG_STATS_INTERVAL_S='{bad}' is not a positive number"):
+        with pytest.raises(
+            ValueError, match=f"KT_SGLANG_STATS_INTERVAL_S='{bad}' is not a number of seconds"
+        ):
             StatsRecorder(tmp_path / "stats.json", 8)
-    monkeypatch.setenv("KT_SGLANG_STATS_INTERVAL_S", "0.5")
-    assert StatsRecorder(tmp_path / "stats.json", 8).interval_s == 0.5
+    for good in ("0", "0.5"):  # 0: the demo's "write as you go"
+        monkeypatch.setenv("KT_SGLANG_STATS_INTERVAL_S", good)
+        assert StatsRecorder(tmp_path / "stats.json", 8).interval_s == float(good)
 
 
 def test_unsupported_isa_is_a_clear_error(monkeypatch):

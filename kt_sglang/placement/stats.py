@@ -97,8 +97,8 @@ class StatsRecorder:
                 interval_s = float(raw)
             except ValueError:
                 interval_s = -1.0
-            if not interval_s > 0:
-                raise ValueError(f"KT_SGLANG_STATS_INTERVAL_S={raw!r} is not a positive number of seconds")
+            if not interval_s >= 0:  # 0: rewrite the file at every step
+                raise ValueError(f"KT_SGLANG_STATS_INTERVAL_S={raw!r} is not a number of seconds (0 or more)")
         self.interval_s = interval_s
         self._base = PlacementStats.read(self.path) if self.path.exists() else PlacementStats(num_experts)
         self._base.counts(0, num_experts)  # the same expert count, or a clear error
