@@ -123,7 +123,7 @@ _EXPERT_NAMES = {  # fused v5 parameter -> per-expert checkpoint names (gate, up
 }
 
 
-def _per_expert_state_dict(model: torch.nn.Module, arch: str) -> dict[str, torch.Tensor]:
+def per_expert_state_dict(model: torch.nn.Module, arch: str) -> dict[str, torch.Tensor]:
     """The model's tensors with fused experts split into the per-expert names of real checkpoints."""
     prefix, gate, up, down = _EXPERT_NAMES[arch]
     out: dict[str, torch.Tensor] = {}
@@ -178,7 +178,7 @@ def write_tiny_moe(out_dir: str | Path, spec: TinyMoESpec = TinyMoESpec()) -> Pa
     torch.manual_seed(spec.seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _decisive_routing(model, spec.num_experts)
-    save_file(_per_expert_state_dict(model, spec.arch), out / "model.safetensors", metadata={"format": "pt"})
+    save_file(per_expert_state_dict(model, spec.arch), out / "model.safetensors", metadata={"format": "pt"})
     config.dtype = torch.bfloat16  # what the checkpoint holds and SGLang serves in
     config.save_pretrained(out)
     (out / "generation_config.json").write_text(
