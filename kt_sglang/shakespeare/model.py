@@ -120,7 +120,7 @@ def held_out_loss(model, windows: list[list[int]], batch: int = 32) -> float:
 
 
 def save_model(model, tokenizer, config, out: Path) -> None:
-    """bf16 safetensors with per-expert tensor names (as released Qwen3-MoE checkpoints), config, tokenizer."""
+    """Writes bf16 safetensors with per-expert tensor names (as Qwen3-MoE releases), config, tokenizer."""
     from safetensors.torch import save_file
 
     from kt_sglang.tiny_model import per_expert_state_dict

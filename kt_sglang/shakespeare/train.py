@@ -191,9 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plot", type=Path, default=None, help="write the loss curve here (PNG)")
     args = parser.parse_args(argv)
     record = train(args.out, ModelSpec(), args.steps, args.batch, args.lr, args.plot)
-    print(
-        f"held-out loss {record['held_out_loss']:.4f} after {record['training_minutes']} minutes; wrote {args.out}"
-    )
+    loss, minutes = record["held_out_loss"], record["training_minutes"]
+    print(f"held-out loss {loss:.4f} after {minutes} minutes; wrote {args.out}")
     return 0
 
 
