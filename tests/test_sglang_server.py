@@ -16,9 +16,7 @@ import pytest
 import torch
 
 from kt_sglang.cli.server import CPU_DEVICE_ARGS, SGLangServer, free_port, server_command
-from kt_sglang.engine import KTMoEWrapper
-from kt_sglang.layer.hybrid import DeferralChain, HybridMoELayer
-from kt_sglang.placement import slot_map
+from kt_sglang.layer.hf import replace_experts
 from kt_sglang.tiny_model import TinyMoESpec, write_tiny_moe
 
 MIN_MARGIN = 0.04
@@ -32,42 +30,12 @@ def _hf_model(model_dir):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
 
 
-class _StandaloneExperts(torch.nn.Module):
-    """Stands in for an HF MoE block's experts: our hybrid layer (CPU engine + hot slots)."""
-
-    def __init__(self, hybrid: HybridMoELayer) -> None:
-        super().__init__()
-        self.hybrid = hybrid
-
-    def forward(self, hidden, ids, weights):
-        return self.hybrid(hidden.bfloat16(), ids, weights.float()).float()
-
-
 def _standalone_model(model_dir, method: str, hot: int, deferred: int):
     """HF's model (float32) with every MoE layer replaced by our standalone layer stack: the same
     engine, quantized weights, hot experts 0..hot-1 (uniform placement) and deferral chain as the
     server."""
     model = _hf_model(model_dir)
-    cfg = model.config
-    chain, hybrids = DeferralChain(), []
-    for i, block in enumerate(model.model.layers):
-        experts = KTMoEWrapper(
-            i, cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size,
-            None, 2, 1, weight_path=str(model_dir), method=method,
-        )  # fmt: skip
-        experts.load_weights()
-        fused = block.mlp.experts
-        hybrid = HybridMoELayer(
-            experts,
-            slot_map(list(range(hot)), cfg.num_experts),
-            fused.gate_up_proj.data[:hot].bfloat16(),
-            fused.down_proj.data[:hot].bfloat16(),
-            chain,
-            deferred,
-        )
-        block.mlp.experts = _StandaloneExperts(hybrid)
-        hybrids.append(hybrid)
-    HybridMoELayer.link(hybrids)
+    replace_experts(model, model_dir, method, hot, deferred)
     return model
 
 

@@ -292,3 +292,119 @@ def test_broken_manifest_names_the_file(tmp_path, checkpoint):
         with pytest.raises(ValueError, match=f"kt_weights.json {message}") as info:
             engine_output(out, "AMXINT8")
         assert str(manifest) in str(info.value)
+
+
+def test_output_that_is_in_or_holds_a_model_is_refused(tmp_path, checkpoint):
+    """Merging into a model directory replaced its index: SGLang then loaded none of its weights."""
+    other = write_checkpoint(tmp_path / "other", qwen_config(), {})
+    for output, problem in (
+        (checkpoint, "is the input checkpoint"),
+        (checkpoint / "cpu", "is inside the input checkpoint"),
+        (tmp_path, "contains the input checkpoint"),
+        (other, "holds a model"),
+        (other / "cpu", "is inside the model directory"),
+    ):
+        r = convert(*convert_args(checkpoint, output, "int8"))
+        assert r.returncode == 2, (output, r.stderr)
+        assert f"--output {output} {problem}" in r.stderr and "Traceback" not in r.stderr
+    assert not (checkpoint / "kt_weights.json").exists() and not (checkpoint / "cpu").exists()
+    # A model directory that got our index anyway is refused by the loader, naming the index.
+    out = tmp_path / "cpu"
+    assert convert(*convert_args(checkpoint, out, "int8")).returncode == 0
+    shutil.copy(out / "model.safetensors.index.json", checkpoint)
+    with pytest.raises(CheckpointError, match="was written by kt-sglang convert-cpu"):
+        KTMoEWrapper(1, E, K, H, I, None, 2, 1, weight_path=str(checkpoint), method="AMXINT8").load_weights()
+
+
+def test_rerun_after_a_kill_past_the_index_removes_the_leftovers(tmp_path, checkpoint):
+    merged, per_layer = tmp_path / "merged", tmp_path / "per-layer"
+    assert convert(*convert_args(checkpoint, merged, "int4")).returncode == 0
+    expected = digest(merged)
+    assert convert(*convert_args(checkpoint, per_layer, "int4"), "--no-merge-safetensor").returncode == 0
+    for layer_file in per_layer.glob("layer-*.safetensors"):  # killed after the index, before the unlinks
+        shutil.copy(layer_file, merged)
+    (merged / "experts-00001-of-00001.safetensors.tmp").write_bytes(b"\0" * 2**20)
+    r = convert(*convert_args(checkpoint, merged, "int4"))
+    assert r.returncode == 0 and "0 layers converted, 2 already complete" in r.stdout, r.stderr
+    assert "removed layer-00001.safetensors, left by an interrupted run" in r.stdout
+    assert digest(merged) == expected
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o002])
+def test_files_follow_the_umask(tmp_path, checkpoint, umask):
+    for merge in ([], ["--no-merge-safetensor"]):
+        out = tmp_path / f"out{len(merge)}"
+        old = os.umask(umask)
+        try:
+            assert convert(*convert_args(checkpoint, out, "int8"), *merge).returncode == 0
+        finally:
+            os.umask(old)
+        modes = {p.name: oct(p.stat().st_mode & 0o777) for p in out.iterdir()}
+        assert set(modes.values()) == {oct(0o666 & ~umask)}, modes
+
+
+@pytest.mark.parametrize("threads", ["0", "-1", "100000"])
+def test_thread_count_has_one_rule(tmp_path, checkpoint, threads):
+    from kt_sglang.engine.pools import physical_cores
+
+    r = convert(*convert_args(checkpoint, tmp_path / "o", "int8"), "--cpuinfer-threads", threads)
+    cores = physical_cores()
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        f"error: --cpuinfer-threads {threads}: this machine has {cores} physical cores; use 1..{cores} "
+        "(threads beyond the cores only contend)"
+    ]
+    assert not (tmp_path / "o").exists()
+
+
+def _message(capsys) -> str:
+    """The one line the converter printed besides its progress bar."""
+    lines = [ln.rsplit("\r", 1)[-1] for ln in capsys.readouterr().err.splitlines()]
+    lines = [ln for ln in lines if ln.strip() and not ln.startswith("convert-cpu:")]
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def test_io_errors_and_interrupts_are_one_line(tmp_path, checkpoint, monkeypatch, capsys):
+    """safetensors' own error type (what a full disk raises), the free-space check before starting,
+    and Ctrl-C: one line each, naming the path and the bytes, and a rerun resumes."""
+    from collections import namedtuple
+
+    from safetensors import SafetensorError
+
+    import kt_sglang.weights.canonical_files as files
+    import kt_sglang.weights.convert_cpu as converter
+
+    real_save = files.save_file
+
+    def failing_save(tensors, path, metadata=None):
+        Path(path).write_bytes(b"partial")
+        raise SafetensorError("Error while serializing: IoError(No space left on device)")
+
+    out = tmp_path / "out"
+    argv = convert_args(checkpoint, out, "int4")
+    monkeypatch.setattr(files, "save_file", failing_save)
+    assert converter.main(argv) == 2
+    err = _message(capsys)
+    assert str(out / "layer-00001.safetensors") in err
+    assert "No space left on device" in err and "MiB are free; rerun to resume" in err
+    assert sorted(p.name for p in out.iterdir()) == ["kt_weights.json"]
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(files, "save_file", real_save)
+    monkeypatch.setattr(converter.shutil, "disk_usage", lambda path: usage(2**30, 2**30 - 1000, 1000))
+    assert converter.main(argv) == 2
+    assert _message(capsys).startswith(f"error: {out} has 0.0 MiB free; converting needs ")
+    monkeypatch.undo()
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(converter, "write_layer", interrupted)
+    assert converter.main(argv) == 130
+    assert (
+        _message(capsys)
+        == "interrupted: the layers written so far are kept; rerun the same command to resume"
+    )
+    monkeypatch.undo()
+    assert converter.main(argv) == 0

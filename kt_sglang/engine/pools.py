@@ -29,6 +29,17 @@ def physical_cores() -> int:
     return sum(len(n["cores"]) for n in machine_nodes())
 
 
+def check_thread_count(threads: object, name: str = "cpuinfer_threads") -> int:
+    """The one rule for a count of engine threads (the layer, --kt-cpuinfer, the converter): 1..cores."""
+    cores = physical_cores()
+    if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= cores:
+        raise ValueError(
+            f"{name} {threads!r}: this machine has {cores} physical cores; use 1..{cores} "
+            "(threads beyond the cores only contend)"
+        )
+    return threads
+
+
 def plan_pools(threads: int, pools: int, numa_nodes: list[int] | None = None) -> PoolLayout:
     """Checks the thread and pool counts against the machine and places workers on cores.
 
@@ -37,14 +48,7 @@ def plan_pools(threads: int, pools: int, numa_nodes: list[int] | None = None) ->
     """
     nodes = machine_nodes()
     by_index = {n["os_index"]: n for n in nodes}
-    cores = sum(len(n["cores"]) for n in nodes)
-    if not isinstance(threads, int) or threads < 1:
-        raise ValueError(f"cpuinfer_threads must be a positive integer, got {threads!r}")
-    if threads > cores:
-        raise ValueError(
-            f"cpuinfer_threads={threads} is more than the {cores} physical cores of this machine; "
-            f"use at most {cores} (threads beyond the cores only contend)"
-        )
+    check_thread_count(threads)
     if not isinstance(pools, int) or pools < 1:
         raise ValueError(f"threadpool_count must be a positive integer, got {pools!r}")
     if threads < pools:

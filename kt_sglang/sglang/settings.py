@@ -126,7 +126,7 @@ def model_facts(model_path: str) -> ModelFacts | None:
 def resolve(server_args, extra: argparse.Namespace, argv: list[str]) -> KtSettings | None:
     """All `--kt-*` settings with defaults filled in and checked; None when CPU experts are off."""
     from kt_sglang.engine.methods import parse_method
-    from kt_sglang.engine.pools import machine_nodes, physical_cores
+    from kt_sglang.engine.pools import check_thread_count, machine_nodes, physical_cores
 
     weight_path = getattr(server_args, "kt_weight_path", None)
     ours = [f for f, v in vars(extra).items() if v not in (None, "uniform")]
@@ -147,10 +147,10 @@ def resolve(server_args, extra: argparse.Namespace, argv: list[str]) -> KtSettin
         raise KtSettingsError(f"--kt-method: {exc}") from None
     cores, nodes = physical_cores(), len(machine_nodes())
     threads = server_args.kt_cpuinfer if server_args.kt_cpuinfer is not None else cores
-    if not 1 <= threads <= cores:
-        raise KtSettingsError(
-            f"--kt-cpuinfer {threads}: this machine has {cores} physical cores; use 1..{cores}"
-        )
+    try:
+        check_thread_count(threads, "--kt-cpuinfer")
+    except ValueError as exc:
+        raise KtSettingsError(str(exc)) from None
     pools = server_args.kt_threadpool_count if flag_given(argv, "--kt-threadpool-count") else None
     if extra.kt_numa_nodes is not None:
         pools = pools or len(extra.kt_numa_nodes)
@@ -233,12 +233,15 @@ def check_against_model(settings: KtSettings, model_path: str) -> None:
             spec = open_checkpoint(path).spec
             where = path / "config.json"
             theirs = (spec.num_experts, spec.hidden_size, spec.intermediate_size)
-        model = open_checkpoint(model_path).spec
-        ours = (model.num_experts, model.hidden_size, model.intermediate_size)
     except KtSettingsError:
         raise
     except ValueError as exc:  # CheckpointError, unknown family, bad manifest
         raise KtSettingsError(f"--kt-weight-path: {exc}") from None
+    try:
+        model = open_checkpoint(model_path).spec
+    except ValueError as exc:  # e.g. an index that does not describe the model's files
+        raise KtSettingsError(f"--model-path: {exc}") from None
+    ours = (model.num_experts, model.hidden_size, model.intermediate_size)
     if theirs != ours:
         raise KtSettingsError(
             f"--kt-weight-path {path} is for another model: {where} has (experts, hidden, intermediate) = "

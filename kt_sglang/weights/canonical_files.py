@@ -15,9 +15,12 @@ file that exists is complete.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import math
 import os
+import shutil
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -27,8 +30,8 @@ from safetensors.torch import save_file
 
 from kt_sglang.engine.canonical import CanonicalMatrix, canonical_layout
 from kt_sglang.engine.methods import Method
+from kt_sglang.weights.checkpoint import CANONICAL_FORMAT as FORMAT
 
-FORMAT = "kt-sglang-experts"
 VERSION = 1
 MANIFEST = "kt_weights.json"
 PROJECTIONS = ("gate", "up", "down")
@@ -102,6 +105,13 @@ def layer_file(layer: int) -> str:
     return f"layer-{layer:05d}.safetensors"
 
 
+def _file_mode() -> int:
+    """What the umask allows a new file (safetensors creates its files 0600 whatever the umask)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 def _save_atomic(tensors: dict[str, torch.Tensor], final: Path, header: dict) -> None:
     # One metadata key: safetensors writes its metadata map in hash order, which changes from run
     # to run; a single sorted JSON string keeps reruns byte-identical.
@@ -109,10 +119,42 @@ def _save_atomic(tensors: dict[str, torch.Tensor], final: Path, header: dict) ->
     tmp = final.with_name(final.name + ".tmp")
     try:
         save_file(tensors, str(tmp), metadata=metadata)
+        os.chmod(tmp, _file_mode())
         os.replace(tmp, final)
-    except OSError as exc:  # disk full, permissions: leave nothing that looks written
-        tmp.unlink(missing_ok=True)
-        raise OSError(exc.errno, f"writing {final} failed ({exc.strerror or exc}); rerun to resume") from exc
+    except Exception as exc:  # disk full, permissions (safetensors raises its own error type)
+        tmp.unlink(missing_ok=True)  # leave nothing that looks written
+        need = sum(t.numel() * t.element_size() for t in tensors.values())
+        free = shutil.disk_usage(final.parent).free
+        raise OSError(
+            getattr(exc, "errno", None) or errno.EIO,
+            f"writing {final} failed ({getattr(exc, 'strerror', None) or exc}); the file needs "
+            f"{need / 2**20:.0f} MiB, {free / 2**20:.0f} MiB are free; rerun to resume",
+        ) from None
+
+
+def matrix_bytes(manifest: Manifest) -> int:
+    """Bytes of one expert's three canonical matrices."""
+    method, H, I = Method(manifest.method), manifest.hidden_size, manifest.intermediate_size
+    total = 0
+    for N, K in ((I, H), (I, H), (H, I)):
+        for shape, dtype in canonical_layout(method, manifest.group_size, N, K).values():
+            total += math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return total
+
+
+def clean_leftovers(directory: Path, manifest: Manifest) -> list[Path]:
+    """Removes what an interrupted run left: temporary files, and per-layer files already merged."""
+    directory = Path(directory)
+    removed = sorted(directory.glob("*.tmp"))
+    if read_index(directory) is not None and all(
+        layer_is_complete(directory, manifest, layer) for layer in manifest.moe_layers
+    ):
+        removed += [
+            directory / layer_file(la) for la in manifest.moe_layers if (directory / layer_file(la)).exists()
+        ]
+    for path in removed:
+        path.unlink()
+    return removed
 
 
 def write_layer(

@@ -17,6 +17,9 @@ from safetensors import safe_open
 
 from kt_sglang.weights.families import ModelFamily, family_for
 
+# The format name in the manifest, shards and index that `kt-sglang convert-cpu` writes (canonical_files).
+CANONICAL_FORMAT = "kt-sglang-experts"
+
 if TYPE_CHECKING:  # imported where used: reading a checkpoint needs no native engine
     from kt_sglang.engine.canonical import CanonicalMatrix
     from kt_sglang.engine.methods import Method
@@ -67,7 +70,22 @@ class Checkpoint:
     def _index_tensors(self) -> dict[str, Path]:
         index_path = self.path / "model.safetensors.index.json"
         if index_path.is_file():
-            weight_map = json.loads(index_path.read_text()).get("weight_map", {})
+            try:
+                index = json.loads(index_path.read_text())
+                weight_map = index["weight_map"]
+            except (ValueError, KeyError, TypeError) as exc:
+                raise CheckpointError(f"{index_path} is not a valid safetensors index ({exc})") from None
+            if (index.get("metadata") or {}).get("format") == CANONICAL_FORMAT:
+                raise CheckpointError(
+                    f"{index_path} was written by kt-sglang convert-cpu, not with this model: its "
+                    "experts were converted into the model's own directory. Delete that index and the "
+                    "experts-*.safetensors shards, and convert again into a directory of its own"
+                )
+            if not any(n.endswith(("embed_tokens.weight", "lm_head.weight")) for n in weight_map):
+                raise CheckpointError(
+                    f"{index_path} lists no embedding or lm_head tensor: it does not describe this "
+                    "model's files (restore the checkpoint's own index)"
+                )
             files = {name: self.path / shard for name, shard in weight_map.items()}
             for shard in sorted(set(files.values())):
                 if not shard.is_file():

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import collections
+import errno
+import shutil
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -26,8 +28,10 @@ from kt_sglang.weights.canonical_files import (
     INDEX,
     MANIFEST,
     Manifest,
+    clean_leftovers,
     dtype_name,
     layer_is_complete,
+    matrix_bytes,
     merge_layers,
     read_index,
     sha256_text,
@@ -64,7 +68,10 @@ def build_parser(prog: str = "kt-sglang convert-cpu") -> argparse.ArgumentParser
         "--group-size", type=int, default=None, help="quantization group (default: the method's own)"
     )
     p.add_argument(
-        "--cpuinfer-threads", type=int, default=None, help="threads quantizing (default: all cores)"
+        "--cpuinfer-threads",
+        type=int,
+        default=None,
+        help="threads quantizing, 1..physical cores (default: all physical cores)",
     )
     p.add_argument(
         "--threadpool-count",
@@ -85,9 +92,60 @@ def build_parser(prog: str = "kt-sglang convert-cpu") -> argparse.ArgumentParser
     return p
 
 
-def convert(args: argparse.Namespace) -> Path:
-    from kt_sglang.engine.pools import physical_cores
+def _holds_model(directory: Path) -> bool:
+    """A model checkpoint's directory: config.json with safetensors (not one of our converted ones)."""
+    if not (directory / "config.json").is_file() or (directory / MANIFEST).is_file():
+        return False
+    return (directory / INDEX).is_file() or any(directory.glob("*.safetensors"))
 
+
+def check_output(input_path: Path, output: Path) -> None:
+    """Refuses an output that is, contains or is inside a model directory: the merged index would
+    take the place of the model's own (SGLang then loads none of its weights)."""
+    inp, out = input_path.resolve(), output.resolve()
+    problem = None
+    if out == inp:
+        problem = "is the input checkpoint"
+    elif inp in out.parents:
+        problem = f"is inside the input checkpoint {inp}"
+    elif out in inp.parents:
+        problem = f"contains the input checkpoint {inp}"
+    elif _holds_model(out):
+        problem = "holds a model (config.json and *.safetensors)"
+    elif holder := next((p for p in out.parents if _holds_model(p)), None):
+        problem = f"is inside the model directory {holder}"
+    elif out.is_dir() and (inner := next((d for d in out.iterdir() if _holds_model(d)), None)):
+        problem = f"contains the model directory {inner}"
+    if problem:
+        raise ValueError(
+            f"--output {output} {problem}: write the converted experts to a directory of their own"
+        )
+
+
+def _size(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def check_free_space(out: Path, manifest: Manifest, layers: int, merge: bool) -> None:
+    layer_bytes = manifest.num_experts * matrix_bytes(manifest)
+    need = layers * layer_bytes + (len(manifest.moe_layers) * layer_bytes if merge else 0)
+    free = shutil.disk_usage(out).free
+    if need > free:
+        merging = (
+            " (the merge writes the shards before it removes the layer files; --no-merge-safetensor "
+            f"needs {_size(layers * layer_bytes)})"
+            if merge
+            else ""
+        )
+        raise OSError(errno.ENOSPC, f"{out} has {_size(free)} free; converting needs {_size(need)}{merging}")
+
+
+def convert(args: argparse.Namespace) -> Path:
+    from kt_sglang.engine.pools import check_thread_count, physical_cores
+
+    threads = physical_cores() if args.cpuinfer_threads is None else args.cpuinfer_threads
+    check_thread_count(threads, "--cpuinfer-threads")
+    check_output(Path(args.input_path), Path(args.output))
     ckpt = Checkpoint(args.input_path)
     spec = ckpt.spec
     method = args.quant_method
@@ -136,12 +194,16 @@ def convert(args: argparse.Namespace) -> Path:
             )
     else:
         manifest.write(out)
-    threads = args.cpuinfer_threads or physical_cores()
+    for path in clean_leftovers(out, manifest):
+        print(f"removed {path.name}, left by an interrupted run")
     todo = [layer for layer in layers if not layer_is_complete(out, manifest, layer)]
+    merge = not args.no_merge_safetensor and read_index(out) is None
+    check_free_space(out, manifest, len(todo), merge)
     skipped = len(layers) - len(todo)
-    bar = tqdm(total=len(todo) * spec.num_experts, unit="expert", desc="convert-cpu", dynamic_ncols=True)
     written = 0
-    with ThreadPoolExecutor(max_workers=threads) as pool:  # the native quantizer releases the GIL
+    bar = tqdm(total=len(todo) * spec.num_experts, unit="expert", desc="convert-cpu", dynamic_ncols=True)
+    # the native quantizer releases the GIL; the bar closes before any error is printed
+    with bar, ThreadPoolExecutor(max_workers=threads) as pool:
         for layer in todo:
             bar.set_postfix_str(
                 f"layer {layer}, {written / 2**30:.2f} GiB written, {skipped} complete before"
@@ -173,9 +235,8 @@ def convert(args: argparse.Namespace) -> Path:
             experts += [f.result() for f in in_flight]
             written += write_layer(out, manifest, layer, experts).stat().st_size
             del experts
-    bar.close()
     merged = ""
-    if not args.no_merge_safetensor and read_index(out) is None:
+    if merge:
         shards = merge_layers(out, manifest)
         merged = f", merged into {len(shards)} shard(s) with {INDEX}"
     print(f"wrote {out} ({len(todo)} layers converted, {skipped} already complete{merged})")
@@ -187,6 +248,13 @@ def main(argv: list[str] | None = None, prog: str = "kt-sglang convert-cpu") -> 
     try:
         convert(args)
     except (ValueError, OSError) as exc:  # CheckpointError is a ValueError
-        print(f"error: {exc}", file=sys.stderr)
+        ours = isinstance(exc, OSError) and exc.filename is None and exc.strerror  # no "[Errno N]"
+        print(f"error: {exc.strerror if ours else exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(
+            "\ninterrupted: the layers written so far are kept; rerun the same command to resume",
+            file=sys.stderr,
+        )
+        return 130
     return 0
