@@ -153,3 +153,25 @@ def test_bench_says_when_kt_kernel_cannot_run():
     )
     r = kt_sglang("bench", "--quick", "--kt-kernel-python", "/nonexistent/python")
     assert r.returncode == 1 and "--kt-kernel-python /nonexistent/python: cannot start it" in r.stderr
+
+
+def test_serve_dry_run_takes_the_model_either_way(tmp_path):
+    """`kt-sglang serve X` and `serve --model-path X` build the same command; a converted
+    --kt-weight-path brings its own method (no --kt-method is added)."""
+    from kt_sglang.tiny_model import write_tiny_moe
+    from kt_sglang.weights.convert_cpu import main as convert_cpu
+
+    model = write_tiny_moe(tmp_path / "m")
+    positional = kt_sglang("serve", str(model), "--dry-run", "--port", "1234")
+    flag = kt_sglang("serve", "--model-path", str(model), "--dry-run", "--port", "1234")
+    assert positional.returncode == 0 and flag.returncode == 0, positional.stderr + flag.stderr
+    assert positional.stdout == flag.stdout
+    command = positional.stdout.strip()
+    assert "-m sglang.launch_server --model-path" in command and "--kt-method AMXINT4" in command
+    assert command.endswith("--port 1234")
+    out = tmp_path / "int8"
+    assert convert_cpu(["--input-path", str(model), "--output", str(out), "--quant-method", "INT8"]) == 0
+    converted = kt_sglang("serve", str(model), "--dry-run", "--kt-weight-path", str(out))
+    assert converted.returncode == 0 and "--kt-method" not in converted.stdout, converted.stdout
+    both = kt_sglang("serve", str(model), "--model-path", str(tmp_path), "--dry-run")
+    assert both.returncode == 2 and "two models given" in both.stderr

@@ -181,6 +181,8 @@ def _launch_error(args: list[str]) -> subprocess.CompletedProcess:
         (["--kt-max-deferred-experts-per-token", "2"], "use 0..1"),
         (["--kt-threadpool-count", "2"], "NUMA node(s); use 1..1"),
         (["--kt-expert-placement-strategy", "frequency"], "frequency needs --kt-placement-stats"),
+        (["--kt-numa-nodes", "7"], "--kt-numa-nodes names node(s) [7] that this machine lacks"),
+        (["--kt-cpuinfer", "0"], "--kt-cpuinfer 0: this machine has"),
     ],
 )
 def test_bad_flags_stop_the_launcher_with_one_message(qwen, flags, message):
@@ -191,6 +193,16 @@ def test_bad_flags_stop_the_launcher_with_one_message(qwen, flags, message):
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
+def test_no_gpu_without_device_cpu_says_what_to_add(qwen, tmp_path):
+    model_dir, _ = qwen
+    cmd = server_command(model_dir, ["--kt-weight-path", str(model_dir), "--kt-method", "BF16"], free_port())
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "no GPU (or other accelerator) found: add --device cpu" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
 def test_weight_path_missing_or_for_another_model(qwen, mixtral, tmp_path):
     model_dir, _ = qwen
     r = _launch_error([str(model_dir), "--kt-weight-path", str(tmp_path / "nowhere")])
@@ -198,6 +210,29 @@ def test_weight_path_missing_or_for_another_model(qwen, mixtral, tmp_path):
     other = write_tiny_moe(tmp_path / "other", TinyMoESpec(hidden_size=96))
     r = _launch_error([str(model_dir), "--kt-weight-path", str(other)])
     assert r.returncode == 2 and "is for another model" in r.stderr, r.stderr[-2000:]
+
+
+def test_truncated_converted_shard_is_named_before_the_workers_start(qwen, tmp_path):
+    from kt_sglang.weights.convert_cpu import main as convert_cpu
+
+    model_dir, _ = qwen
+    out = tmp_path / "int8"
+    args = [
+        "--input-path",
+        str(model_dir),
+        "--input-type",
+        "bf16",
+        "--output",
+        str(out),
+        "--quant-method",
+        "INT8",
+    ]
+    assert convert_cpu(args) == 0
+    shard = next(out.glob("experts-*.safetensors"))
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    r = _launch_error([str(model_dir), "--kt-weight-path", str(out), "--kt-method", "AMXINT8"])
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert f"{shard} is truncated or not safetensors" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_help_lists_our_flags(tmp_path):

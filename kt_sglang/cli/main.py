@@ -41,10 +41,20 @@ def main(argv: list[str] | None = None) -> int:
     serve = sub.add_parser(
         "serve",
         help="run python -m sglang.launch_server with --kt-* flags chosen for this machine",
-        description="Any other argument goes to SGLang unchanged; --kt-* flags given win over ours.",
+        usage="kt-sglang serve [MODEL | --model-path MODEL] [--method M] [--dry-run] [SGLang arguments]",
+        description="MODEL: a local Hugging Face model directory, first or as --model-path. Any other "
+        "argument goes to SGLang unchanged; --kt-* flags given win over ours.",
     )
-    serve.add_argument("model", help="local Hugging Face model directory")
-    serve.add_argument("--method", default="AMXINT4", choices=method_names())
+    serve.add_argument(
+        "--model-path", "--model", dest="model_path", default=None, help="the same, as SGLang spells it"
+    )
+    serve.add_argument(
+        "--method",
+        default=None,
+        choices=method_names(),
+        help="CPU expert method (default: the one a converted --kt-weight-path holds, else AMXINT4)",
+    )
+    serve.add_argument("--dry-run", action="store_true", help="print the command without running it")
     chat = sub.add_parser("chat", help="interactive streaming chat with a running server")
     chat.add_argument("--url", default="http://127.0.0.1:30000")
     chat.add_argument("--max-tokens", type=int, default=256)
@@ -55,6 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     from kt_sglang.cli.bench import add_arguments
 
     add_arguments(bench)
+    model = None  # `serve MODEL ...`: taken here, as a positional would take SGLang's option values
+    if argv[:1] == ["serve"] and len(argv) > 1 and not argv[1].startswith("-"):
+        model, argv = argv[1], argv[:1] + argv[2:]
     args, rest = parser.parse_known_args(argv)
     if rest and args.command != "serve":
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
@@ -76,7 +89,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         from kt_sglang.cli.serve import run_serve
 
-        return run_serve(args.model, rest, args.method)
+        if model and args.model_path and model != args.model_path:
+            parser.error(f"serve: two models given ({model} and --model-path {args.model_path})")
+        model = model or args.model_path
+        if model is None:
+            parser.error("serve: give the model directory (positional or --model-path)")
+        return run_serve(model, rest, args.method, args.dry_run)
     if args.command == "chat":
         from kt_sglang.cli.chat import run_chat
 

@@ -26,7 +26,7 @@ def hot_experts_for_gpu(model: str, free_bytes: int) -> int:
     return max(0, min(spec.num_experts, int(free_bytes * GPU_MEMORY_SHARE_FOR_EXPERTS) // per_layer_slot))
 
 
-def build_serve_command(model: str, user_args: list[str], method: str = "AMXINT4") -> list[str]:
+def build_serve_command(model: str, user_args: list[str], method: str | None = None) -> list[str]:
     import torch
 
     from kt_sglang.cli.server import CPU_DEVICE_FLAGS
@@ -40,7 +40,8 @@ def build_serve_command(model: str, user_args: list[str], method: str = "AMXINT4
             chosen.extend([flag] if value is None else [flag, str(value)])
 
     default("--kt-weight-path", model)
-    default("--kt-method", method)
+    if method is not None or not _converted_weight_path(user_args):  # else the plugin reads its manifest
+        default("--kt-method", method or "AMXINT4")
     default("--kt-cpuinfer", physical_cores())
     default("--kt-threadpool-count", len(machine_nodes()))
     if torch.cuda.is_available():
@@ -54,11 +55,23 @@ def build_serve_command(model: str, user_args: list[str], method: str = "AMXINT4
     return [sys.executable, "-m", "sglang.launch_server", "--model-path", model, *chosen, *user_args]
 
 
-def run_serve(model: str, user_args: list[str], method: str) -> int:
+def _converted_weight_path(user_args: list[str]) -> bool:
+    from kt_sglang.weights.canonical_files import is_canonical_dir
+
+    for i, arg in enumerate(user_args):
+        if arg == "--kt-weight-path" and i + 1 < len(user_args):
+            return is_canonical_dir(user_args[i + 1])
+        if arg.startswith("--kt-weight-path="):
+            return is_canonical_dir(arg.split("=", 1)[1])
+    return False
+
+
+def run_serve(model: str, user_args: list[str], method: str | None, dry_run: bool = False) -> int:
     if not Path(model, "config.json").is_file():
         print(f"error: {model} is not a local Hugging Face model directory (no config.json)", file=sys.stderr)
         return 2
     command = build_serve_command(model, user_args, method)
-    print("==> " + shlex.join(command), flush=True)
-    os.execv(command[0], command)
+    print(("" if dry_run else "==> ") + shlex.join(command), flush=True)
+    if not dry_run:
+        os.execv(command[0], command)
     return 0  # not reached

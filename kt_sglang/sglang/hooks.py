@@ -10,6 +10,8 @@ from kt_sglang.sglang.settings import (
     CPU_DEVICE_ENV_VAR,
     KtSettings,
     KtSettingsError,
+    check_accelerator,
+    early_server_args,
     extra_help,
     resolve,
     split_argv,
@@ -24,14 +26,19 @@ def prepare_server_args(original, argv: list[str]):
     extra, rest = split_argv(list(argv))
     if "-h" in rest or "--help" in rest:
         print(extra_help())
-    server_args = original(rest)
+        return original(rest)
     try:
+        early = early_server_args(rest)  # before SGLang's own parsing, which reads the model (seconds)
+        if early is not None and resolve(early, extra, list(argv)) is not None:
+            check_accelerator(early.device)
+        server_args = original(rest)
         settings = resolve(server_args, extra, list(argv))
     except KtSettingsError as exc:
         print(f"kt-sglang: error: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)
     if settings is not None:
         settings.to_env()
+        server_args.kt_method = settings.method  # what a converted --kt-weight-path records, if not given
     if server_args.device == "cpu":
         os.environ[CPU_DEVICE_ENV_VAR] = "1"
         enable_cpu_rotary()

@@ -96,6 +96,42 @@ def split_argv(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return extra_parser().parse_known_args(argv)
 
 
+def early_server_args(rest: list[str]) -> argparse.Namespace | None:
+    """The few SGLang flags our checks read, parsed from argv as SGLang will (same names, types and
+    defaults), so that the `--kt-*` settings are checked before SGLang's own parsing and model
+    inspection; None when argv does not parse (SGLang then reports it)."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--model-path", "--model", dest="model_path", default=None)
+    parser.add_argument("--tp-size", "--tensor-parallel-size", "--tp", dest="tp_size", type=int, default=1)
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--kt-weight-path", default=None)
+    parser.add_argument("--kt-method", default="AMXINT4")
+    parser.add_argument("--kt-cpuinfer", type=int, default=None)
+    parser.add_argument("--kt-threadpool-count", type=int, default=2)
+    parser.add_argument("--kt-num-gpu-experts", type=int, default=None)
+    parser.add_argument("--kt-max-deferred-experts-per-token", type=int, default=None)
+    try:
+        args, _ = parser.parse_known_args(rest)
+    except (SystemExit, ValueError):
+        return None
+    return args if args.model_path is not None else None
+
+
+def check_accelerator(device: str | None) -> None:
+    """Without --device, SGLang looks for an accelerator and dies with a long traceback if there is none."""
+    if device is not None:
+        return
+    from sglang.srt.utils.common import get_device
+
+    try:
+        get_device()
+    except RuntimeError as exc:
+        raise KtSettingsError(
+            "no GPU (or other accelerator) found: add --device cpu to serve on this machine's CPU "
+            f"(SGLang: {exc})"
+        ) from None
+
+
 def extra_help() -> str:
     parser = argparse.ArgumentParser(prog="kt-sglang options", add_help=False)
     add_extra_arguments(parser.add_argument_group("kt-sglang (CPU experts) options"))
@@ -127,6 +163,7 @@ def resolve(server_args, extra: argparse.Namespace, argv: list[str]) -> KtSettin
     """All `--kt-*` settings with defaults filled in and checked; None when CPU experts are off."""
     from kt_sglang.engine.methods import parse_method
     from kt_sglang.engine.pools import check_thread_count, machine_nodes, physical_cores
+    from kt_sglang.weights.canonical_files import Manifest, is_canonical_dir
 
     weight_path = getattr(server_args, "kt_weight_path", None)
     ours = [f for f, v in vars(extra).items() if v not in (None, "uniform")]
@@ -145,6 +182,11 @@ def resolve(server_args, extra: argparse.Namespace, argv: list[str]) -> KtSettin
         method = parse_method(server_args.kt_method).value
     except ValueError as exc:
         raise KtSettingsError(f"--kt-method: {exc}") from None
+    if not flag_given(argv, "--kt-method") and is_canonical_dir(weight_path):
+        try:  # a converted directory records its method; SGLang's default (AMXINT4) does not apply
+            method = Manifest.read(Path(weight_path)).method
+        except ValueError as exc:
+            raise KtSettingsError(f"--kt-weight-path: {exc}") from None
     cores, nodes = physical_cores(), len(machine_nodes())
     threads = server_args.kt_cpuinfer if server_args.kt_cpuinfer is not None else cores
     try:
@@ -158,6 +200,12 @@ def resolve(server_args, extra: argparse.Namespace, argv: list[str]) -> KtSettin
             raise KtSettingsError(
                 f"--kt-numa-nodes names {len(extra.kt_numa_nodes)} nodes for {pools} pools "
                 "(--kt-threadpool-count)"
+            )
+    if extra.kt_numa_nodes is not None:
+        known = sorted(n["os_index"] for n in machine_nodes())
+        if unknown := [n for n in extra.kt_numa_nodes if n not in known]:
+            raise KtSettingsError(
+                f"--kt-numa-nodes names node(s) {unknown} that this machine lacks; its nodes: {known}"
             )
     pools = pools or min(nodes, threads)
     if extra.kt_numa_nodes is None and not 1 <= pools <= nodes:
@@ -200,7 +248,7 @@ def resolve(server_args, extra: argparse.Namespace, argv: list[str]) -> KtSettin
 def check_against_model(settings: KtSettings, model_path: str) -> None:
     """Counts and files against the model's config (when the model is a local directory)."""
     from kt_sglang.placement import PlacementStats
-    from kt_sglang.weights.canonical_files import MANIFEST, Manifest, is_canonical_dir
+    from kt_sglang.weights.canonical_files import MANIFEST, Manifest, is_canonical_dir, verify_files
     from kt_sglang.weights.checkpoint import open_checkpoint
 
     path = Path(settings.weight_path)
@@ -229,8 +277,11 @@ def check_against_model(settings: KtSettings, model_path: str) -> None:
                     f"{settings.method}: convert again or change --kt-method"
                 )
             theirs = (m.num_experts, m.hidden_size, m.intermediate_size)
+            verify_files(path, m)
         else:
-            spec = open_checkpoint(path).spec
+            ckpt = open_checkpoint(path)
+            ckpt.verify_files()
+            spec = ckpt.spec
             where = path / "config.json"
             theirs = (spec.num_experts, spec.hidden_size, spec.intermediate_size)
     except KtSettingsError:

@@ -253,6 +253,27 @@ def merge_layers(directory: Path, manifest: Manifest, shard_bytes: int = SHARD_B
     return shards
 
 
+def verify_files(directory: Path, manifest: Manifest) -> None:
+    """Every shard or layer file the directory needs exists and opens (a truncated file does not);
+    ValueError naming the file."""
+    directory = Path(directory)
+    index = read_index(directory)
+    names = (
+        sorted(set(index.values())) if index is not None else [layer_file(la) for la in manifest.moe_layers]
+    )
+    for name in names:
+        path = directory / name
+        if not path.is_file():
+            raise ValueError(
+                f"{path} is missing: the conversion did not finish (rerun kt-sglang convert-cpu)"
+            )
+        try:
+            with safe_open(str(path), framework="pt"):
+                pass
+        except Exception as exc:  # safetensors' own error type
+            raise ValueError(f"{path} is truncated or not safetensors ({exc}): convert again") from None
+
+
 def layer_is_complete(directory: Path, manifest: Manifest, layer: int) -> bool:
     """True when the layer is in the merged index, or its file exists, opens, and carries the
     manifest's method, group and experts."""

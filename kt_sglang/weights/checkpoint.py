@@ -102,6 +102,11 @@ class Checkpoint:
                 files[name] = shard
         return files
 
+    def verify_files(self) -> None:
+        """Opens every shard (headers only): a truncated file is named now, not at first use."""
+        for shard in sorted(set(self._files.values())):
+            self._open(shard)
+
     def _open(self, shard: Path):
         handle = self._handles.get(shard) if hasattr(self, "_handles") else None
         if handle is None:

@@ -53,7 +53,10 @@ def build_parser(prog: str = "kt-sglang convert-cpu") -> argparse.ArgumentParser
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     p.add_argument("--input-path", required=True, help="Hugging Face model directory")
     p.add_argument(
-        "--input-type", required=True, choices=sorted(INPUT_TYPES), help="dtype of the expert tensors"
+        "--input-type",
+        default=None,
+        choices=sorted(INPUT_TYPES),
+        help="dtype of the expert tensors (default: what the checkpoint holds; given, it is checked)",
     )
     p.add_argument("--output", required=True, help="output directory (canonical format)")
     p.add_argument(
@@ -154,6 +157,13 @@ def convert(args: argparse.Namespace) -> Path:
     if first is None:
         raise CheckpointError(f"{args.input_path} has no MoE layers")
     found = ckpt.expert_dtype(first)
+    if args.input_type is None:
+        names = {dtype: name for name, dtype in INPUT_TYPES.items()}
+        if found not in names:
+            raise CheckpointError(
+                f"{args.input_path}: experts are {dtype_name(found)}, not bf16, fp16 or fp8"
+            )
+        args.input_type = names[found]
     if found != INPUT_TYPES[args.input_type]:
         raise CheckpointError(
             f"--input-type {args.input_type} does not match the checkpoint: "
