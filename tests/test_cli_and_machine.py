@@ -5,8 +5,10 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -42,6 +44,23 @@ def test_doctor_reports_machine():
     assert driver in r.stdout and "llmcompressor" in r.stdout
     ahead = _native.weight_prefetch_bytes()
     assert "decode weight prefetch: " + (f"{ahead} bytes ahead" if ahead else "off") in r.stdout
+
+
+def test_doctor_checks_a_model_and_the_plugin_list(tmp_path):
+    """RAM and disk a model needs per method (computed here from its shapes), and SGLANG_PLUGINS."""
+    from kt_sglang.tiny_model import TinyMoESpec, write_tiny_moe
+
+    spec = TinyMoESpec()
+    model = write_tiny_moe(tmp_path / "m", spec)
+    r = kt_sglang("doctor", "--model", str(model), "--method", "AMXINT8", env={"SGLANG_PLUGINS": "other"})
+    assert r.returncode == 1
+    assert re.search(r"RAM: [\d.]+ GiB, [\d.]+ GiB available", r.stdout)
+    H, I, group = spec.hidden_size, spec.moe_intermediate_size, 64
+    per_expert = 3 * H * I + 2 * (2 * I * (H // group) + H * (I // group))  # int8 weights, fp16 scales
+    mib = spec.num_layers * spec.num_experts * per_expert / 2**20
+    assert f"as AMXINT8 the CPU experts take {mib:.1f} MiB of RAM" in r.stdout
+    assert "problem: SGLANG_PLUGINS='other' leaves kt_sglang out" in r.stdout
+    assert "--kt-cpuinfer" in r.stdout and "left to SGLang's scheduler" in r.stdout
 
 
 def test_doctor_reports_bad_isa_variable():
@@ -88,10 +107,10 @@ def test_check_engine_runs_within_bounds():
 
 
 @pytest.mark.slow
-def test_demo_serves_a_chat_request_with_cpu_experts(tmp_path):
+def test_demo_continues_a_line_with_cpu_experts(tmp_path):
     r = kt_sglang("demo", "--workdir", str(tmp_path), "--max-tokens", "8")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "assistant: " in r.stdout and "8 tokens in" in r.stdout
+    assert "continuation:\nROMEO:" in r.stdout and "8 tokens in" in r.stdout
     cpu, gpu = (int(x) for x in re.search(r"(\d+) on the CPU engine, (\d+) on the GPU", r.stdout).groups())
     assert cpu > 0 and gpu > 0
     assert not (tmp_path / "server.log").read_text().count("Traceback")
@@ -175,3 +194,52 @@ def test_serve_dry_run_takes_the_model_either_way(tmp_path):
     assert converted.returncode == 0 and "--kt-method" not in converted.stdout, converted.stdout
     both = kt_sglang("serve", str(model), "--model-path", str(tmp_path), "--dry-run")
     assert both.returncode == 2 and "two models given" in both.stderr
+
+
+def _processes_mentioning(text: str) -> list[str]:
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmdline and int(pid) != os.getpid():
+            found.append(f"{pid}: {cmdline[:200]}")
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "marker, sig",
+    [
+        ("==> converting", signal.SIGINT),
+        ("==> serving:", signal.SIGINT),  # while SGLang starts (in a session of its own)
+        ("==> serving:", signal.SIGTERM),
+        ("==> server ready", signal.SIGINT),
+    ],
+)
+def test_demo_interrupted_leaves_no_process(tmp_path, marker, sig):
+    exe = shutil.which("kt-sglang", path=os.path.dirname(sys.executable))
+    proc = subprocess.Popen(
+        [exe, "demo", "--workdir", str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if line.startswith(marker):
+            break
+    assert seen and seen[-1].startswith(marker), "".join(seen)[-3000:]
+    if marker == "==> serving:":
+        time.sleep(3)  # SGLang's processes exist by now
+    proc.send_signal(sig)
+    rest = proc.stdout.read()
+    assert proc.wait(timeout=120) in (130, 128 + sig), "".join(seen)[-2000:] + rest[-2000:]
+    assert "Traceback" not in rest, rest[-3000:]
+    deadline = time.monotonic() + 30
+    while (left := _processes_mentioning(str(tmp_path))) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left, left

@@ -1,66 +1,87 @@
-"""`kt-sglang demo`: the README's main job, end to end on a tiny model made on this machine.
+"""`kt-sglang demo`: the README's main job, end to end on the project's own trained model.
 
-Generates a tiny Qwen3-MoE with a locally trained tokenizer, converts its experts to the CPU
-format, serves it with `python -m sglang.launch_server ... --kt-*`, sends one chat request to the
-OpenAI-compatible endpoint, prints the reply, tokens/s and how many expert computations ran on
-each side, and stops the server (also on Ctrl-C).
+Converts the experts of the small Shakespeare MoE shipped with the package (kt_sglang/shakespeare)
+to the CPU format, serves it with `python -m sglang.launch_server ... --kt-*`, sends a speaker and a
+line to the OpenAI-compatible completions endpoint, prints the continuation, tokens/s and how many
+expert computations ran on each side, and stops the server (also on Ctrl-C or SIGTERM, at any point).
 """
 
 from __future__ import annotations
 
 import os
 import shlex
+import signal
 import time
 from pathlib import Path
 
 DEFAULT_WORKDIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kt-sglang" / "demo"
 
 
-def _prepare_model(workdir: Path) -> Path:
-    from kt_sglang.tiny_model import write_tiny_moe
-
-    model = workdir / "tiny-qwen3-moe"
-    done = model / ".complete"
-    if not done.exists():
-        print(f"==> generating a tiny Qwen3-MoE model and its tokenizer in {model}")
-        write_tiny_moe(model)
-        done.touch()
-    return model
-
-
 def _convert(model: Path, workdir: Path, method: str, threads: int) -> Path:
+    from kt_sglang.cli.server import ServerError
     from kt_sglang.engine.methods import parse_method
     from kt_sglang.weights.convert_cpu import main as convert_cpu
 
     if not parse_method(method).is_quantized():  # bf16 weights serve from the checkpoint itself
         return model
-    out = workdir / f"cpu-weights-{method.lower()}"
+    out = workdir / f"{model.name}-{method.lower()}"
     print(f"==> converting the experts to {method} in {out}")
     args = ["--input-path", str(model), "--input-type", "bf16", "--output", str(out)]
     args += ["--quant-method", method, "--cpuinfer-threads", str(threads)]
-    if convert_cpu(args) != 0:
-        raise RuntimeError("converting the tiny model failed (see above)")
+    status = convert_cpu(args)
+    if status == 130:
+        raise KeyboardInterrupt
+    if status != 0:
+        raise ServerError("converting the experts failed (see above)")
     return out
+
+
+DEFAULT_PROMPT = "ROMEO:\nBut, soft! what light through yonder window breaks?\n"
+
+
+def _stop_on_sigterm() -> None:
+    """SIGTERM and SIGHUP unwind like Ctrl-C, so the server is stopped on every exit path."""
+
+    def leave(signum, frame):
+        raise SystemExit(128 + signum)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, leave)
 
 
 def run_demo(
     workdir: Path = DEFAULT_WORKDIR,
     method: str = "AMXINT4",
-    gpu_experts: int = 2,
-    prompt: str = "Tell me a story about a robot who learns to paint.",
-    max_tokens: int = 32,
+    gpu_experts: int = 4,
+    prompt: str = DEFAULT_PROMPT,
+    max_tokens: int = 64,
     threads: int | None = None,
 ) -> int:
+    try:
+        _stop_on_sigterm()
+        return _run_demo(workdir, method, gpu_experts, prompt, max_tokens, threads)
+    except KeyboardInterrupt:
+        print("\ninterrupted: nothing is left running")
+        return 130
+
+
+def _run_demo(workdir: Path, method: str, gpu_experts: int, prompt: str, max_tokens: int, threads) -> int:
     import torch
 
     from kt_sglang.cli.server import CPU_DEVICE_ARGS, ServerError, SGLangServer, free_port, server_command
     from kt_sglang.engine.pools import physical_cores
     from kt_sglang.placement import PlacementStats, plan_hot_experts
+    from kt_sglang.shakespeare.model import MODEL_DIR
 
     workdir.mkdir(parents=True, exist_ok=True)
     threads = threads or physical_cores()
-    model = _prepare_model(workdir)
-    weights = _convert(model, workdir, method, threads)
+    model = MODEL_DIR
+    print(f"==> model: the Shakespeare MoE trained for this project ({model})")
+    try:
+        weights = _convert(model, workdir, method, threads)
+    except ServerError as exc:
+        print(f"error: {exc}")
+        return 1
     stats_file = workdir / "routing-stats.json"
     stats_file.unlink(missing_ok=True)
     device_args = [] if torch.cuda.is_available() else CPU_DEVICE_ARGS
@@ -77,16 +98,11 @@ def run_demo(
     try:
         with SGLangServer(command, log, port) as server:
             print(f"==> server ready on {server.url} (log: {log})")
-            print(f"user: {prompt}")
+            print("prompt:\n" + prompt)
             start = time.perf_counter()
             reply = server.post(
-                "/v1/chat/completions",
-                {
-                    "model": str(model),
-                    "messages": [{"role": "user", "content": prompt}],
-                    "max_tokens": max_tokens,
-                    "temperature": 0,
-                },
+                "/v1/completions",
+                {"model": str(model), "prompt": prompt, "max_tokens": max_tokens, "temperature": 0},
             )
             seconds = time.perf_counter() - start
             marker = "kt-sglang: CPU experts on"
@@ -94,13 +110,10 @@ def run_demo(
     except ServerError as exc:
         print(f"error: {exc}")
         return 1
-    except KeyboardInterrupt:
-        print("\ninterrupted: the server was stopped")
-        return 130
-    text = reply["choices"][0]["message"]["content"]
+    text = reply["choices"][0]["text"]
     tokens = reply["usage"]["completion_tokens"]
-    print(f"assistant: {text!r}")
-    print(f"{tokens} tokens in {seconds:.2f} s: {tokens / seconds:.1f} tokens/s (tiny random model)")
+    print("continuation:\n" + prompt + text)
+    print(f"{tokens} tokens in {seconds:.2f} s: {tokens / seconds:.1f} tokens/s")
     if plugin_line is None:
         print("error: the server log does not show the kt-sglang plugin")
         return 1

@@ -28,8 +28,62 @@ def print_version() -> None:
     print(f"kernel paths: {', '.join(_native.supported_isas())} (chosen: {_native.best_isa()})")
 
 
-def run_doctor() -> int:
-    """Prints what this machine offers the engine and what to fix; 1 when something blocks it."""
+SGLANG_VERSION = "0.5.23"  # the version pyproject.toml pins
+
+
+def _memory_bytes() -> tuple[int, int]:
+    """(total, available) RAM from /proc/meminfo."""
+    info = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            key, value = line.split(":", 1)
+            info[key] = int(value.split()[0]) * 1024
+    return info["MemTotal"], info.get("MemAvailable", info["MemFree"])
+
+
+def _check_model(model: str, method: str, available: int, problems: list[str], advice: list[str]) -> None:
+    """What serving ``model`` with ``method`` needs in RAM, and converting it on disk."""
+    import shutil
+    from pathlib import Path
+
+    from kt_sglang.engine.methods import parse_method, resolve_group
+    from kt_sglang.weights.canonical_files import Manifest, format_size, matrix_bytes
+    from kt_sglang.weights.checkpoint import open_checkpoint
+
+    try:
+        spec = open_checkpoint(model).spec
+        m = parse_method(method)
+    except ValueError as exc:
+        problems.append(str(exc))
+        return
+    fake = Manifest(
+        m.value, resolve_group(m, None), "", spec.num_layers, list(spec.moe_layers), spec.num_experts,
+        spec.hidden_size, spec.intermediate_size, "", "", "",
+    )  # fmt: skip
+    experts = len(spec.moe_layers) * spec.num_experts * matrix_bytes(fake)
+    print(
+        f"model {model}: {len(spec.moe_layers)} MoE layers x {spec.num_experts} experts; as {m.value} the "
+        f"CPU experts take {format_size(experts)} of RAM ({available / 2**30:.1f} GiB available)"
+    )
+    if experts > available:
+        problems.append(
+            f"the experts need {format_size(experts)} as {m.value}; {available / 2**30:.1f} GiB are "
+            "available: a smaller method (AMXINT4) or more memory"
+        )
+    free = shutil.disk_usage(Path(model).resolve().parent).free
+    print(
+        f"  converting it (kt-sglang convert-cpu) writes {format_size(experts)}, twice that while "
+        f"merging; {free / 2**30:.1f} GiB free next to the model"
+    )
+    if 2 * experts > free:
+        advice.append(
+            "not enough free disk next to the model to convert it there (or use --no-merge-safetensor)"
+        )
+
+
+def run_doctor(model: str | None = None, method: str = "AMXINT4") -> int:
+    """Prints what this machine offers the engine and what to fix; 1 when something blocks it.
+    With ``model`` (a local checkpoint), also what serving and converting it need."""
     from kt_sglang.engine.native import _native
 
     problems: list[str] = []
@@ -64,8 +118,8 @@ def run_doctor() -> int:
             f"  chosen path: {chosen}"
             + (" (forced by KT_SGLANG_ISA)" if os.environ.get("KT_SGLANG_ISA") else "")
         )
-        for method, family in _native.kernel_families(chosen).items():
-            print(f"    {method} -> {family} kernels")
+        for name, family in _native.kernel_families(chosen).items():
+            print(f"    {name} -> {family} kernels")
     except ValueError as exc:
         problems.append(str(exc))
         chosen = None
@@ -99,8 +153,16 @@ def run_doctor() -> int:
     for node in topo["nodes"]:
         gib = node["memory_bytes"] / 2**30
         print(f"  node {node['os_index']}: {len(node['cores'])} cores (cpus {node['cores']}), {gib:.1f} GiB")
-    cores = sum(len(n["cores"]) for n in topo["nodes"])
-    print(f"  suggested: --kt-cpuinfer {cores} --kt-threadpool-count {len(topo['nodes'])}")
+    from kt_sglang.engine.pools import suggested_threads
+
+    print(
+        f"  suggested: --kt-cpuinfer {suggested_threads()} --kt-threadpool-count {len(topo['nodes'])} "
+        "(one core per node of 4+ cores left to SGLang's scheduler)"
+    )
+    total, available = _memory_bytes()
+    print(f"RAM: {total / 2**30:.1f} GiB, {available / 2**30:.1f} GiB available")
+    if model is not None:
+        _check_model(model, method, available, problems, advice)
 
     print(f"Python {platform.python_version()} ({sys.executable})")
     torch_version = _package_version("torch")
@@ -110,7 +172,18 @@ def run_doctor() -> int:
     sglang_version = _package_version("sglang")
     print(f"sglang {sglang_version or 'not installed'}")
     if not sglang_version:
-        advice.append("serving needs SGLang: pip install 'kt-sglang[sglang]' (Python 3.11)")
+        advice.append("serving needs SGLang: pip install 'kt-sglang[sglang]' (Python 3.11 to 3.13)")
+    elif sglang_version != SGLANG_VERSION:
+        problems.append(
+            f"sglang {sglang_version} is installed; the plugin is built and tested for {SGLANG_VERSION}: "
+            f"pip install sglang=={SGLANG_VERSION}"
+        )
+    plugins = os.environ.get("SGLANG_PLUGINS")
+    if plugins is not None and "kt_sglang" not in [p.strip() for p in plugins.split(",")]:
+        problems.append(
+            f"SGLANG_PLUGINS={plugins!r} leaves kt_sglang out: SGLang will not load the plugin "
+            "(add kt_sglang to the list, or unset it)"
+        )
     try:
         import torch
 

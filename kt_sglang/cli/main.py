@@ -25,18 +25,21 @@ def main(argv: list[str] | None = None) -> int:
 
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("version", help="print the version of kt-sglang and of what it runs on")
-    sub.add_parser("doctor", help="check this machine: CPU paths, AMX, NUMA, Python packages, GPU")
+    doctor = sub.add_parser("doctor", help="check this machine: CPU paths, AMX, NUMA, RAM, packages, GPU")
+    doctor.add_argument("--model", default=None, help="a local checkpoint: RAM and disk it needs")
+    doctor.add_argument("--method", default="AMXINT4", choices=method_names(), help="for --model")
     sub.add_parser("convert-cpu", help="quantize a checkpoint's experts into the canonical CPU format")
     sub.add_parser("convert-gpu", help="quantize the routed experts for SGLang's GPU side (llmcompressor)")
     demo = sub.add_parser(
-        "demo", help="serve a tiny MoE model made here with SGLang and CPU experts, send one chat request"
+        "demo", help="serve the project's small Shakespeare MoE with SGLang and CPU experts, continue a line"
     )
-    from kt_sglang.cli.demo import DEFAULT_WORKDIR
+    from kt_sglang.cli.demo import DEFAULT_PROMPT, DEFAULT_WORKDIR
 
     demo.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR, help=f"default: {DEFAULT_WORKDIR}")
     demo.add_argument("--method", default="AMXINT4", choices=method_names())
-    demo.add_argument("--gpu-experts", type=int, default=2, help="hot experts per MoE layer (of 8)")
-    demo.add_argument("--max-tokens", type=int, default=32)
+    demo.add_argument("--gpu-experts", type=int, default=4, help="hot experts per MoE layer (of 16)")
+    demo.add_argument("--prompt", default=DEFAULT_PROMPT, help="a speaker and a line, as in the plays")
+    demo.add_argument("--max-tokens", type=int, default=64)
     demo.add_argument("--threads", type=int, default=None, help="CPU expert threads (default: all cores)")
     serve = sub.add_parser(
         "serve",
@@ -79,12 +82,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "doctor":
         from kt_sglang.cli.doctor import run_doctor
 
-        return run_doctor()
+        return run_doctor(args.model, args.method)
     if args.command == "demo":
         from kt_sglang.cli.demo import run_demo
 
         return run_demo(
-            args.workdir, args.method, args.gpu_experts, max_tokens=args.max_tokens, threads=args.threads
+            args.workdir, args.method, args.gpu_experts, args.prompt, args.max_tokens, args.threads
         )
     if args.command == "serve":
         from kt_sglang.cli.serve import run_serve

@@ -1,9 +1,9 @@
 """`kt-sglang serve MODEL [sglang args]`: SGLang with `--kt-*` flags chosen for this machine.
 
-Threads = physical cores, pools = NUMA nodes, CPU weights = the checkpoint itself (quantized at
-load) unless `--kt-weight-path` is given, hot experts per layer from free GPU memory (none without
-a GPU; then SGLang runs with `--device cpu`). Flags given by the user win. Prints the command and
-replaces this process with it.
+Threads = physical cores less one per NUMA node of 4+ cores (left to SGLang's scheduler), pools =
+NUMA nodes, CPU weights = the checkpoint itself (quantized at load) unless `--kt-weight-path` is
+given, hot experts per layer from free GPU memory (none without a GPU; then SGLang runs with
+`--device cpu`). Flags given by the user win. Prints the command and replaces this process with it.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def build_serve_command(model: str, user_args: list[str], method: str | None = N
     import torch
 
     from kt_sglang.cli.server import CPU_DEVICE_FLAGS
-    from kt_sglang.engine.pools import machine_nodes, physical_cores
+    from kt_sglang.engine.pools import machine_nodes, suggested_threads
     from kt_sglang.sglang.settings import flag_given
 
     chosen: list[str] = []
@@ -42,7 +42,7 @@ def build_serve_command(model: str, user_args: list[str], method: str | None = N
     default("--kt-weight-path", model)
     if method is not None or not _converted_weight_path(user_args):  # else the plugin reads its manifest
         default("--kt-method", method or "AMXINT4")
-    default("--kt-cpuinfer", physical_cores())
+    default("--kt-cpuinfer", suggested_threads())
     default("--kt-threadpool-count", len(machine_nodes()))
     if torch.cuda.is_available():
         free, _ = torch.cuda.mem_get_info()

@@ -76,10 +76,16 @@ class SGLangServer:
             start_new_session=True,
             cwd=self.log_path.parent,  # `python -m` puts the cwd first on sys.path: not a source tree
         )
+        try:
+            self._wait_ready()
+        except BaseException:  # also Ctrl-C while it starts: `with` does not call __exit__ then
+            self.stop()
+            raise
+
+    def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                self.stop()
                 raise ServerError(f"the server exited with code {self.proc.returncode}:\n{self.log_tail()}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
@@ -88,7 +94,6 @@ class SGLangServer:
             except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
                 pass
             time.sleep(1)
-        self.stop()
         raise ServerError(f"the server was not ready after {self.timeout_s:.0f} s:\n{self.log_tail()}")
 
     def stop(self) -> None:

@@ -29,6 +29,12 @@ def physical_cores() -> int:
     return sum(len(n["cores"]) for n in machine_nodes())
 
 
+def suggested_threads() -> int:
+    """Engine threads that leave one core per NUMA node to SGLang's scheduler and tokenizer (nodes
+    of 4 or more cores; smaller machines use every core)."""
+    return sum(len(n["cores"]) - (1 if len(n["cores"]) >= 4 else 0) for n in machine_nodes())
+
+
 def check_thread_count(threads: object, name: str = "cpuinfer_threads") -> int:
     """The one rule for a count of engine threads (the layer, --kt-cpuinfer, the converter): 1..cores."""
     cores = physical_cores()

@@ -10,6 +10,9 @@ It installs hooks through SGLang's `HookRegistry` (no fork, no edits to SGLang's
 - AFTER `ModelRunner.load_model`: attach and link the model's MoE layers (deferral chain), check
   that our wrapper is the one SGLang built, log one line;
 - the decode CUDA-graph runner's batch sizes reach our pinned buffers;
+- AROUND `TokenizerManager._validate_one_request`: requests that would kill the scheduler (no
+  tokens, token ids outside the vocabulary, more top log-probabilities than the vocabulary) get a
+  400 naming the problem;
 - with `--device cpu`, the rotary embedding's CPU platform flag (SGLang's only CPU-serving gap).
 """
 
@@ -46,6 +49,11 @@ def register() -> None:
         "sglang.srt.model_executor.model_runner.ModelRunner.load_model",
         hooks.after_load_model,
         HookType.AFTER,
+    )
+    HookRegistry.register(
+        "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request",
+        hooks.validate_request,
+        HookType.AROUND,
     )
     hooks.connect_cuda_graph_batch_sizes()
     if os.environ.get(CPU_DEVICE_ENV_VAR) == "1":  # set by the launcher's prepare_server_args hook

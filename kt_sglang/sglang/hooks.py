@@ -45,6 +45,23 @@ def prepare_server_args(original, argv: list[str]):
     return server_args
 
 
+def validate_request(original, manager, obj, input_ids, *args, **kwargs):
+    """Refuses, as a 400, generate requests that SGLang 0.5.23's scheduler dies on."""
+    vocab = manager.model_config.vocab_size
+    if hasattr(obj, "top_logprobs_num"):  # a generate request (not an embedding one)
+        if input_ids is not None and len(input_ids) == 0:
+            raise ValueError("the prompt has no tokens: send at least one (text or input_ids)")
+        if (
+            input_ids is not None
+            and (bad := next((t for t in input_ids if not 0 <= t < vocab), None)) is not None
+        ):
+            raise ValueError(f"input_ids holds token id {bad}, outside the vocabulary [0, {vocab})")
+        top = obj.top_logprobs_num
+        if obj.return_logprob and isinstance(top, int) and top > vocab:
+            raise ValueError(f"top_logprobs_num {top} is more than the vocabulary's {vocab} tokens")
+    return original(manager, obj, input_ids, *args, **kwargs)
+
+
 def weight_loader_impl(original, layer, *args, **kwargs):
     """Checkpoint expert id -> GPU slot for our layers; cold experts are not loaded on the GPU."""
     from kt_sglang.sglang.method import KTEPWrapperMethod

@@ -132,6 +132,10 @@ def _save_atomic(tensors: dict[str, torch.Tensor], final: Path, header: dict) ->
         ) from None
 
 
+def format_size(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
 def matrix_bytes(manifest: Manifest) -> int:
     """Bytes of one expert's three canonical matrices."""
     method, H, I = Method(manifest.method), manifest.hidden_size, manifest.intermediate_size

@@ -30,6 +30,7 @@ from kt_sglang.weights.canonical_files import (
     Manifest,
     clean_leftovers,
     dtype_name,
+    format_size,
     layer_is_complete,
     matrix_bytes,
     merge_layers,
@@ -125,10 +126,6 @@ def check_output(input_path: Path, output: Path) -> None:
         )
 
 
-def _size(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
-
-
 def check_free_space(out: Path, manifest: Manifest, layers: int, merge: bool) -> None:
     layer_bytes = manifest.num_experts * matrix_bytes(manifest)
     need = layers * layer_bytes + (len(manifest.moe_layers) * layer_bytes if merge else 0)
@@ -136,11 +133,13 @@ def check_free_space(out: Path, manifest: Manifest, layers: int, merge: bool) ->
     if need > free:
         merging = (
             " (the merge writes the shards before it removes the layer files; --no-merge-safetensor "
-            f"needs {_size(layers * layer_bytes)})"
+            f"needs {format_size(layers * layer_bytes)})"
             if merge
             else ""
         )
-        raise OSError(errno.ENOSPC, f"{out} has {_size(free)} free; converting needs {_size(need)}{merging}")
+        raise OSError(
+            errno.ENOSPC, f"{out} has {format_size(free)} free; converting needs {format_size(need)}{merging}"
+        )
 
 
 def convert(args: argparse.Namespace) -> Path:
