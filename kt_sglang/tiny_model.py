@@ -55,7 +55,7 @@ class TinyMoESpec:
 
 def train_tokenizer(out_dir: Path, vocab_size: int) -> int:
     """Byte-level BPE trained on the embedded corpus, with a ChatML chat template; returns its size."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
@@ -68,9 +68,11 @@ def train_tokenizer(out_dir: Path, vocab_size: int) -> int:
         show_progress=False,
     )
     tok.train_from_iterator(_CORPUS.splitlines(), trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token=None
+    bos = SPECIAL_TOKENS[0]  # prepended on encode: an empty prompt is one token, not none
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, tok.token_to_id(bos))]
     )
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token=bos, bos_token=bos)
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out_dir)
     return tok.get_vocab_size()
@@ -89,7 +91,7 @@ def _config(spec: TinyMoESpec, vocab: int, eos: int, pad: int):
         initializer_range=spec.init_std,
         eos_token_id=eos,
         pad_token_id=pad,
-        bos_token_id=None,
+        bos_token_id=pad,  # <|endoftext|> is both
         tie_word_embeddings=False,
         dtype="bfloat16",
     )

@@ -193,6 +193,22 @@ def test_bad_flags_stop_the_launcher_with_one_message(qwen, flags, message):
     assert "Traceback" not in r.stderr
 
 
+def test_sglang_serve_entry_point_loads_the_plugin(qwen, tmp_path):
+    """`sglang serve` (SGLang's recommended entry point) checks our flags as launch_server does."""
+    model_dir, _ = qwen
+    exe = str(Path(sys.executable).parent / "sglang")
+    args = ["--model-path", str(model_dir), *CPU_DEVICE_ARGS, "--kt-weight-path", str(model_dir)]
+    r = subprocess.run(
+        [exe, "serve", *args, "--kt-num-gpu-experts", "9"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=tmp_path,
+    )
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "--kt-num-gpu-experts 9 is more than the model's 8 experts" in r.stderr
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
 def test_no_gpu_without_device_cpu_says_what_to_add(qwen, tmp_path):
     model_dir, _ = qwen

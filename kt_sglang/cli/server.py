@@ -21,7 +21,8 @@ from pathlib import Path
 CPU_DEVICE_FLAGS: dict[str, str | None] = {
     "--device": "cpu",
     "--attention-backend": "torch_native",
-    "--disable-cuda-graph": None,
+    "--cuda-graph-backend-decode": "disabled",  # the successor of the deprecated --disable-cuda-graph
+    "--cuda-graph-backend-prefill": "disabled",
     "--max-total-tokens": "4096",  # SGLang's CPU default reserves ~15 GB of KV cache
 }
 CPU_DEVICE_ARGS = [x for flag, value in CPU_DEVICE_FLAGS.items() for x in (flag, value) if x is not None]
