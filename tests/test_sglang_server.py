@@ -286,6 +286,68 @@ def test_serve_picks_flags_and_chat_streams_a_reply(qwen, tmp_path):
             text=True,
             timeout=120,
         )
+        transcript, status = _chat_in_a_terminal(
+            [
+                exe,
+                "chat",
+                "--url",
+                server.url,
+                "--max-tokens",
+                "6",
+                "--temperature",
+                "0",
+                "--system",
+                "Be brief.",
+            ],
+            ["/help", "Hello", "/retry", "zqxj " * 700, "Still there?", "/clear", "/quit"],  # lines < 4 KiB
+        )
     assert r.returncode == 0, r.stderr
     reply = r.stdout.split("assistant> ", 1)[1].split("\nyou> ")[0]
     assert reply.strip(), r.stdout
+    assert status == 0, transcript
+    assert "/retry         ask again" in transcript
+    assert transcript.count("tokens/s)") == 3, transcript  # Hello, its retry, and after the error
+    assert "error: the server answered 400: " in transcript and "context length" in transcript, transcript
+    assert "\x1b[2m(" in transcript  # the token count is dimmed in a terminal
+    assert "(conversation cleared)" in transcript
+    down = subprocess.run(
+        [exe, "chat", "--url", "http://127.0.0.1:9"], capture_output=True, text=True, timeout=60
+    )
+    assert down.returncode == 1 and "error: cannot reach http://127.0.0.1:9" in down.stderr
+
+
+def _chat_in_a_terminal(command: list[str], lines: list[str], timeout_s: float = 300) -> tuple[str, int]:
+    """Runs `kt-sglang chat` on a pseudo-terminal, typing each line at its prompt; (transcript, status)."""
+    import os
+    import pty
+    import select
+    import time
+
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(command, stdin=slave, stdout=slave, stderr=slave, close_fds=True)
+    os.close(slave)
+    out = b""
+    deadline = time.monotonic() + timeout_s
+
+    def read_until_prompt() -> None:
+        nonlocal out
+        start = len(out)
+        while b"you> " not in out[start:] and time.monotonic() < deadline and proc.poll() is None:
+            ready, _, _ = select.select([master], [], [], 1)
+            if ready:
+                try:
+                    out += os.read(master, 65536)
+                except OSError:
+                    return
+
+    for line in lines:
+        read_until_prompt()
+        os.write(master, line.encode() + b"\n")
+    status = proc.wait(timeout=max(1, deadline - time.monotonic()))
+    try:
+        while select.select([master], [], [], 0.2)[0]:
+            out += os.read(master, 65536)
+    except OSError:
+        pass
+    os.close(master)
+    return out.decode(errors="replace"), status

@@ -62,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     chat.add_argument("--url", default="http://127.0.0.1:30000")
     chat.add_argument("--max-tokens", type=int, default=256)
     chat.add_argument("--temperature", type=float, default=0.7)
+    chat.add_argument("--system", default=None, help="a system prompt that starts the conversation")
     check = sub.add_parser("check-engine", help="the CPU engine alone on a small MoE layer against float32")
     check.add_argument("--threads", type=int, default=None, help="compute threads (default: all cores)")
     bench = sub.add_parser("bench", help="benchmark one MoE layer (decode latency, prefill tokens/s)")
@@ -101,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "chat":
         from kt_sglang.cli.chat import run_chat
 
-        return run_chat(args.url, args.max_tokens, args.temperature)
+        return run_chat(args.url, args.max_tokens, args.temperature, args.system)
     if args.command == "check-engine":
         from kt_sglang.cli.check_engine import run_check_engine
 
