@@ -53,7 +53,11 @@ class Setting:
     def label(self) -> str:
         if self.method is None:
             return "SGLang, no plugin (bf16)"
-        text = self.method + (f" g{self.group}" if self.group and len(METHODS[parse_method(self.method)].allowed_groups) > 1 else "")
+        text = self.method + (
+            f" g{self.group}"
+            if self.group and len(METHODS[parse_method(self.method)].allowed_groups) > 1
+            else ""
+        )
         if self.deferred:
             text += f", {self.deferred} deferred"
         if self.hot:
@@ -163,7 +167,13 @@ def plot(rows: list[dict], path: Path) -> None:
     points = [r for r in rows if r["bytes_per_weight"] is not None and not r["deferred"] and not r["hot"]]
     for r in points:
         ax.plot(r["bytes_per_weight"], r["ppl_server"], "o", color="C0")
-        ax.annotate(r["label"], (r["bytes_per_weight"], r["ppl_server"]), fontsize=7, xytext=(4, 3), textcoords="offset points")
+        ax.annotate(
+            r["label"],
+            (r["bytes_per_weight"], r["ppl_server"]),
+            fontsize=7,
+            xytext=(4, 3),
+            textcoords="offset points",
+        )
     ref = rows[0]["ppl_reference"]
     ax.axhline(ref, color="gray", ls="--", lw=1, label=f"float32 reference {ref:.3f}")
     ax.set_xscale("log", base=2)
@@ -206,7 +216,9 @@ def main(argv: list[str] | None = None) -> int:
             if wanted and setting.label not in wanted and setting != Setting("BF16"):
                 continue
             t0 = time.perf_counter()
-            loss, ids, start_s = served(setting, windows, prompts, args.new_tokens, workdir, workdir / "server.log")
+            loss, ids, start_s = served(
+                setting, windows, prompts, args.new_tokens, workdir, workdir / "server.log"
+            )
             hf = hf_loss(setting, windows, workdir) if setting.method is not None else None
             if setting == Setting("BF16"):
                 bf16_ids = ids
@@ -214,7 +226,9 @@ def main(argv: list[str] | None = None) -> int:
             row = {
                 **asdict(setting),
                 "label": setting.label,
-                "bytes_per_weight": bytes_per_weight(setting.method, setting.group) if setting.method else None,
+                "bytes_per_weight": bytes_per_weight(setting.method, setting.group)
+                if setting.method
+                else None,
                 "ppl_reference": math.exp(ref_loss),
                 "ppl_server": math.exp(loss),
                 "ppl_hf": math.exp(hf) if hf is not None else None,
@@ -227,9 +241,10 @@ def main(argv: list[str] | None = None) -> int:
             }
             rows.append(row)
             hf_text = f"{row['ppl_hf']:.4f}" if hf is not None else "-"
+            increase = 100 * row["increase_vs_reference"]
             print(
-                f"{row['label']:<28} server {row['ppl_server']:.4f} ({100 * row['increase_vs_reference']:+.2f}%)"
-                f"  hf {hf_text}  greedy same {100 * same:.1f}%  prefix {prefix:.0f}  ({row['seconds']:.0f} s)",
+                f"{row['label']:<28} server {row['ppl_server']:.4f} ({increase:+.2f}%)  hf {hf_text}"
+                f"  greedy same {100 * same:.1f}%  prefix {prefix:.0f}  ({row['seconds']:.0f} s)",
                 flush=True,
             )
     result = {
