@@ -72,25 +72,61 @@ def kt_kernel_table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+BANDWIDTH_NOTE = (
+    "Decode: bytes of the distinct experts' packed weights a call reads / its time, over the read bandwidth "
+    "of the same threads streaming 0.5 GiB,\nprobed between the point's own calls. Above 100%: the host's "
+    "bandwidth was higher during the calls than during the probes, or part of the weights came from the L3."
+)
+
+
 def plot(results: list[dict], out: Path) -> None:
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for res in results:
-        for r in res["rows"]:
-            if r["threads"] != max(int(t) for t in res["bandwidth_gbs"]):
-                continue
-            label = f"{r['layer']} {r['method']}"
-            d = sorted((int(t), v["bw_fraction"] * 100) for t, v in r["decode"].items())
-            p = sorted((int(t), v["tokens_per_s"]) for t, v in r["prefill"].items())
-            axes[0].plot(*zip(*d, strict=True), marker="o", label=label)
-            axes[1].plot(*zip(*p, strict=True), marker="o", label=label)
-    axes[0].set(xscale="log", xlabel="decode tokens", ylabel="% of measured read bandwidth", ylim=(0, 130))
+    """Decode bandwidth fraction and prefill tokens/s of every row at each run's highest thread count.
+
+    Colour is the method and line style the layer; the legend sits below both panels, where it hides no
+    line, above a note on what the bandwidth fraction divides by.
+    """
+    rows = [
+        r for res in results for r in res["rows"] if r["threads"] == max(int(t) for t in res["bandwidth_gbs"])
+    ]
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    layers = list(dict.fromkeys(r["layer"] for r in rows))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 5.6))
+    top, ticks = 130.0, (set(), set())
+    for r in rows:
+        i, j = methods.index(r["method"]), layers.index(r["layer"])
+        style = dict(color=f"C{i % 10}", linestyle=("-", "--", ":", "-.")[j % 4], marker="os^D"[j % 4])
+        style["label"] = f"{r['layer']} {r['method']}"
+        d = sorted((int(t), v["bw_fraction"] * 100) for t, v in r["decode"].items())
+        p = sorted((int(t), v["tokens_per_s"]) for t, v in r["prefill"].items())
+        for ax, points, seen in ((axes[0], d, ticks[0]), (axes[1], p, ticks[1])):
+            if points:
+                ax.plot(*zip(*points, strict=True), **style)
+                seen.update(t for t, _ in points)
+        top = max(top, *(v + 10 for _, v in d))
+    axes[0].set(xscale="log", xlabel="decode tokens", ylabel="effective read bandwidth, % of the probe")
+    axes[0].set_ylim(0, top)
+    for y, text, line in ((100, "100% =\nprobe", ":"), (80, "80%\ntarget", "--")):
+        axes[0].axhline(y, color="gray", linestyle=line, linewidth=1)
+        axes[0].annotate(
+            text, (1.01, y), xycoords=("axes fraction", "data"), ha="left", va="center", fontsize=7
+        )
     axes[1].set(xscale="log", yscale="log", xlabel="prefill tokens", ylabel="tokens / s")
-    axes[0].axhline(80, color="gray", linestyle="--", linewidth=1)
-    for ax in axes:
+    for ax, seen in zip(axes, ticks, strict=True):
+        ax.set_xticks(sorted(seen))
+        ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
         ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-    axes[1].legend(fontsize=7)
-    fig.suptitle("kt-sglang CPU engine, one MoE layer (2 threads)")
-    fig.tight_layout()
+        ax.grid(True, alpha=0.3)
+    handles = {h.get_label(): h for ax in axes for h in ax.get_lines() if not h.get_label().startswith("_")}
+    legend_rows = -(-len(handles) // 4)
+    fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=4, fontsize=8, frameon=False)
+    fig.text(0.5, 0.035 * legend_rows + 0.03, BANDWIDTH_NOTE, ha="center", fontsize=7.5, style="italic")
+    machine = results[0]["machine"] if results else {}
+    threads = max((r["threads"] for r in rows), default=0)
+    fig.suptitle(
+        f"kt-sglang CPU engine, one MoE layer ({machine.get('cpu', '?')}, {machine.get('isa', '?')} kernels, "
+        f"{threads} threads)"
+    )
+    fig.tight_layout(rect=(0, 0.035 * legend_rows + 0.1, 1, 1))
     fig.savefig(out, dpi=110)
 
 

@@ -34,9 +34,9 @@ KernelTable make_table(Isa isa) {
     t.silu_mul = kernels::avx512::silu_mul, t.add_weighted = kernels::avx512::add_weighted;
     t.sum_to_bf16 = kernels::avx512::sum_to_bf16, t.isa_vector = Isa::kAvx512;
   }
-  // Measured on the layer at 2048 tokens: DeepSeek (256 rows per expert, K 7168) x1.27-1.36,
-  // and since the int8 kernel's scratch pointer INT8 x0.98-1.02, INT4 x1.04-1.09; at 64 rows
-  // x0.92 and at Qwen3's 128 rows x0.95-1.04, so only from 160 rows.
+  // A16 gate/up over the int8-input kernel, whole layer: DeepSeek at 2048 tokens (256 rows per
+  // expert, K 7168) INT8 x0.98-1.02, INT4 x1.04-1.09; at 512 tokens (64 rows) x0.92; Qwen3 at 2048
+  // tokens (128 rows) x0.95-1.04. Hence A16 only from 160 rows.
   if (isa >= Isa::kAmx) t.gate_up_a16_min_rows = 160;
   for (const auto& m : kMethodTable) {
     const MethodKernels& k = t.method(m.method);

@@ -56,10 +56,10 @@ struct MethodTraits {
   const char* summary;     // one line for --help and docs
   int default_group;       // K-values per scale group; BF16 has no scales (group = kKAlign)
   int allowed_groups[3];   // 0 = unused slot
-  // What gate/up and the down projection read. An int8 h was most of INT8's error (0.017 -> 0.014
-  // at groups of 64), so INT8 keeps bf16; INT4 takes int8: the same ~0.01 adds little to its own
-  // 0.14 in quadrature, and its bf16-input kernel needs four vpdpwssd per 64 bytes of weights where
-  // the int8-input one needs two.
+  // What gate/up and the down projection read. INT8 keeps a bf16 h: an int8 h raises its error from
+  // 0.014 to 0.017 at groups of 64. INT4 takes int8: the same ~0.01 adds little to its own 0.14 in
+  // quadrature, and its bf16-input kernel needs four vpdpwssd per 64 bytes of weights where the
+  // int8-input one needs two.
   Activation gate_up_input;
   Activation down_input;
   int weight_bits;       // packed bits per weight

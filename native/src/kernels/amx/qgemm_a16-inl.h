@@ -16,7 +16,7 @@ namespace kt::kernels::amx {
 // Dequantization in three vector steps per 16 weights: a byte permute (VBMI) moves each packed
 // byte to the top of a 32-bit lane in the order the BF16 VNNI row wants; an unsigned conversion
 // makes it u * 2^24 (INT4 nibbles: masked, u * 2^24 or u * 2^28), exactly; one fma with the scale
-// divided by that power of two and the offset gives w = ws * u + wm, rounded once as before.
+// divided by that power of two and the offset gives w = ws * u + wm, rounded once.
 // Two such vectors make one 64-byte BF16 VNNI row with no further shuffle.
 //
 // A packed VNNI row holds channel n's K-values 4r + j in byte 4n + j. BF16 VNNI row 2r + h holds
