@@ -287,3 +287,58 @@ def test_non_finite_canonical_tensors_are_refused_by_position(method):
     layer = KTMoEWrapper(0, E, k, H, I, None, 2, 1, method=method)
     with pytest.raises(ValueError, match=match):
         layer.load_canonical(mats["gate"], mats["up"], mats["down"])
+
+
+_PENDING_SCRIPT = """
+import gc, sys, torch
+sys.path.insert(0, {tests!r})
+from conftest import make_hidden, make_routing, make_weights
+from kt_sglang import KTMoEWrapper
+E, K, H, I = 64, 8, 1024, 512
+g, u, d = make_weights(E, I, H, seed=1)
+x = make_hidden(512, H)
+ids, w = make_routing(512, E, K)
+for i in range(6):
+    m = KTMoEWrapper(0, E, K, H, I, None, 2, 1, method="BF16")
+    m.load_weights_from_tensors(g, u, d)
+    m.submit_forward(x, ids, w)
+    del m
+    gc.collect()
+    junk = [torch.full((1 << 20,), 7, dtype=torch.int64) for _ in range(8)]  # reuse the freed memory
+m = KTMoEWrapper(0, E, K, H, I, None, 2, 1, method="BF16")
+m.load_weights_from_tensors(g, u, d)
+print(float(m.forward(x, ids, w).float().abs().sum()) > 0)
+m.submit_forward(x, ids, w)  # and exit with it pending
+"""
+
+
+def test_dropping_a_layer_with_a_pending_task_waits_for_it(tmp_path):
+    """The pending task read the freed layer and buffers (a crash, or a garbage batch size later)."""
+    script = _PENDING_SCRIPT.format(tests=os.path.dirname(__file__))
+    r = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=tmp_path
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip() == "True" and not r.stderr.strip(), r.stderr[-3000:]
+
+
+def test_converted_directory_brings_its_method(tmp_path):
+    """--kt-method may be left out with a converted --kt-weight-path; given and different, it fails."""
+    from kt_sglang.sglang.settings import KtSettingsError, early_server_args, resolve, split_argv
+    from kt_sglang.tiny_model import write_tiny_moe
+    from kt_sglang.weights.convert_cpu import main as convert_cpu
+
+    model = write_tiny_moe(tmp_path / "m")
+    out = tmp_path / "int8"
+    assert convert_cpu(["--input-path", str(model), "--output", str(out), "--quant-method", "INT8"]) == 0
+    source_dtype = __import__("json").loads((out / "kt_weights.json").read_text())["source_dtype"]
+    assert source_dtype == "bf16"  # --input-type was read from the checkpoint
+
+    def settings(*flags: str):
+        argv = ["--model-path", str(model), "--kt-weight-path", str(out), "--kt-cpuinfer", "1", *flags]
+        extra, rest = split_argv(argv)
+        return resolve(early_server_args(rest), extra, argv)
+
+    assert settings().method == "AMXINT8"
+    with pytest.raises(KtSettingsError, match="holds AMXINT8 weights .*--kt-method is AMXINT4"):
+        settings("--kt-method", "AMXINT4")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import weakref
 from dataclasses import dataclass
 
@@ -545,6 +546,28 @@ class KTMoEWrapper:
                     bufs.by_size[size] = _Buffers.allocate(size, self.hidden_size, self.num_experts_per_tok)
 
     # ----------------------------------------------------------------------------------------
+    # Lifetime: a pending task reads this layer's buffers, so they outlive it
+
+    def drain(self) -> None:
+        """Waits until every forward this layer submitted has finished (without returning outputs)."""
+        if any(on_stream for _, _, on_stream, _ in self._pending.values()) and torch.cuda.is_available():
+            torch.cuda.synchronize()  # a stream-ordered submit enqueues from a host function
+        self._layer.drain()
+        self._pending.clear()
+
+    def __del__(self) -> None:
+        if getattr(self, "_layer", None) is not None:
+            try:
+                self.drain()
+            except Exception:  # a destructor cannot raise; the native layer drains again when freed
+                pass
+
+    @staticmethod
+    def _drain_all() -> None:
+        for w in list(KTMoEWrapper._instances):
+            w.drain()
+
+    # ----------------------------------------------------------------------------------------
 
     @property
     def packed_bytes(self) -> int:
@@ -557,3 +580,7 @@ class KTMoEWrapper:
             f"{self.moe_intermediate_size}, method={self.method.value}, group={self.group_size}, "
             f"isa={self.isa}, threads={self.layout.threads}, pools={self.layout.pools})"
         )
+
+
+# At interpreter exit, pending tasks finish before modules (and the buffers they read) go away.
+atexit.register(KTMoEWrapper._drain_all)

@@ -290,6 +290,8 @@ PYBIND11_MODULE(_native, m) {
              a.skip_mask = ptr<const bool>(mask), a.out = ptr<uint16_t>(out), a.incremental = incremental;
              return l.submit_forward(a);
            })
+      .def("drain", &MoeLayer::drain, py::call_guard<py::gil_scoped_release>(),
+           "Waits until every forward this layer submitted has finished.")
       .def_property_readonly("isa", [](const MoeLayer& l) { return std::string(isa_name(l.isa())); })
       .def_property_readonly("group", [](const MoeLayer& l) { return l.config().group; })
       .def_property_readonly("packed_bytes", &MoeLayer::packed_bytes)

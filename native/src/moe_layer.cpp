@@ -190,7 +190,9 @@ MoeLayer::MoeLayer(const MoeConfig& config, std::shared_ptr<Runner> runner,
   }
 }
 
-MoeLayer::~MoeLayer() = default;
+MoeLayer::~MoeLayer() { drain(); }
+
+void MoeLayer::drain() const { runner_->wait_done(last_task_.load(std::memory_order_acquire)); }
 
 int64_t MoeLayer::packed_bytes() const {
   int64_t total = 0;
@@ -341,7 +343,12 @@ uint64_t MoeLayer::submit_forward(const ForwardArgs& args) {
   if (!args.tokens_ptr)
     check_expert_ids(args.expert_ids, args.ids_int64, args.tokens, config_.top_k, config_.num_experts);
   ForwardArgs copy = args;
-  return runner_->submit([this, copy](const WorkerContext& ctx) { forward_task(copy, ctx); });
+  const uint64_t id = runner_->submit([this, copy](const WorkerContext& ctx) { forward_task(copy, ctx); });
+  // Submissions may come from CUDA's host-function thread and Python's: keep the largest id.
+  uint64_t last = last_task_.load(std::memory_order_relaxed);
+  while (last < id && !last_task_.compare_exchange_weak(last, id, std::memory_order_acq_rel)) {
+  }
+  return id;
 }
 
 namespace {

@@ -112,6 +112,11 @@ void Runner::wait(uint64_t id) {
   if (error) std::rethrow_exception(error);
 }
 
+void Runner::wait_done(uint64_t id) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  wait_for_completions(lock, id);
+}
+
 void Runner::run(Task task) {
   wait(submit(std::move(task)));
 }

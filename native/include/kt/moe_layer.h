@@ -67,6 +67,9 @@ class MoeLayer {
   // Validates (the expert ids too when the batch size is known now), then enqueues the forward on
   // the runner and returns at once.
   uint64_t submit_forward(const ForwardArgs& args);
+  // Waits until every forward this layer submitted has finished (errors stay for the runner's
+  // next sync). The destructor drains, so a pending task never reads a freed layer.
+  void drain() const;
 
   // Bytes of packed weights (all pools).
   int64_t packed_bytes() const;
@@ -98,6 +101,7 @@ class MoeLayer {
   int64_t hidden_padded_;  // K of gate/up, multiple of the group and of 64
   std::vector<std::unique_ptr<PoolWeights>> pools_;
   bool loaded_ = false;
+  std::atomic<uint64_t> last_task_{0};  // the runner's id of this layer's latest forward
 };
 
 std::shared_ptr<MoeWorkspace> make_workspace();

@@ -70,6 +70,9 @@ class Runner {
   void sync(int64_t allow_pending = 0);
   // Waits until task `id` (and so every task before it) finished; rethrows as sync() does.
   void wait(uint64_t id);
+  // Waits as wait() does but leaves any error for sync()/wait() to report: for owners that must not
+  // be freed while their tasks run (destructors).
+  void wait_done(uint64_t id);
   // Submits and waits for this one task (and those before it).
   void run(Task task);
   int64_t pending() const;
