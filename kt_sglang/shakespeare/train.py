@@ -62,9 +62,8 @@ def _commit() -> str:
         rev = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, check=True
         )
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "."], cwd=here, capture_output=True, text=True
-        )
+        status = ["git", "status", "--porcelain", "--", ".", ":(exclude)model"]  # not the model it writes
+        dirty = subprocess.run(status, cwd=here, capture_output=True, text=True)
         return rev.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
