@@ -408,3 +408,19 @@ def test_io_errors_and_interrupts_are_one_line(tmp_path, checkpoint, monkeypatch
     )
     monkeypatch.undo()
     assert converter.main(argv) == 0
+
+
+@pytest.mark.parametrize("damage", ["truncated", "zero-byte", "garbage header"])
+def test_damaged_converted_file_is_named_at_load(tmp_path, checkpoint, damage):
+    out = tmp_path / "cpu"
+    assert convert(*convert_args(checkpoint, out, "int8"), "--no-merge-safetensor").returncode == 0
+    layer = out / "layer-00001.safetensors"
+    data = layer.read_bytes()
+    layer.write_bytes(
+        {"truncated": data[: len(data) // 2], "zero-byte": b"", "garbage header": b"\xff" * 64 + data[64:]}[
+            damage
+        ]
+    )
+    w = KTMoEWrapper(1, E, K, H, I, None, 2, 1, weight_path=str(out), method="AMXINT8")
+    with pytest.raises(ValueError, match="cannot read .*layer-00001.safetensors .*convert again"):
+        w.load_weights()

@@ -325,7 +325,13 @@ def read_layer(
     H, I = manifest.hidden_size, manifest.intermediate_size
     shapes = {"gate": (I, H), "up": (I, H), "down": (H, I)}
     out: dict[str, list[CanonicalMatrix]] = {p: [] for p in PROJECTIONS}
-    with safe_open(str(path), framework="pt") as f:
+    try:
+        handle = safe_open(str(path), framework="pt")
+    except Exception as exc:  # safetensors' own error type, or the OS's (permissions)
+        raise ValueError(
+            f"cannot read {path} (truncated, not safetensors or unreadable: {exc}): convert again"
+        ) from None
+    with handle as f:
         names = set(f.keys())
         for e in experts:
             for proj in PROJECTIONS:
