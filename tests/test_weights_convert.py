@@ -424,3 +424,20 @@ def test_damaged_converted_file_is_named_at_load(tmp_path, checkpoint, damage):
     w = KTMoEWrapper(1, E, K, H, I, None, 2, 1, weight_path=str(out), method="AMXINT8")
     with pytest.raises(ValueError, match="cannot read .*layer-00001.safetensors .*convert again"):
         w.load_weights()
+
+
+def test_converted_group_is_read_from_the_directory(tmp_path, checkpoint):
+    """A directory converted at a non-default group loads without naming the group again (the plugin
+    has no group flag), and equals that group quantized on load."""
+    out = tmp_path / "g32"
+    assert convert(*convert_args(checkpoint, out, "int8"), "--group-size", "32").returncode == 0
+    w = KTMoEWrapper(2, E, K, H, I, None, 2, 1, weight_path=str(out), method="AMXINT8")
+    assert w.group_size == 32
+    w.load_weights()
+    x = make_hidden(20, H)
+    ids, wts = make_routing(20, E, K)
+    on_load = KTMoEWrapper(
+        2, E, K, H, I, None, 2, 1, weight_path=str(checkpoint), method="AMXINT8", group_size=32
+    )
+    on_load.load_weights()
+    assert torch.equal(w.forward(x, ids, wts), on_load.forward(x, ids, wts))

@@ -67,7 +67,8 @@ class KTMoEWrapper:
     Parameters follow kt-kernel's ``KTMoEWrapper`` so that only the import changes
     (``cpu_save`` and ``max_deferred_experts_per_token`` are kept for callers; deferral belongs to the
     hybrid layer, which reads them from here). Our extras:
-    ``group_size`` (quantization group, default per method) and ``isa`` (kernel family; default
+    ``group_size`` (quantization group; default: what a converted ``weight_path`` records, else the
+    method's own) and ``isa`` (kernel family; default
     ``KT_SGLANG_ISA`` or the best the CPU runs).
     """
 
@@ -119,6 +120,8 @@ class KTMoEWrapper:
         self.cpu_save = cpu_save
         self.max_deferred_experts_per_token = max_deferred_experts_per_token
         self.method = parse_method(method)
+        if group_size is None and weight_path is not None:
+            group_size = _recorded_group(weight_path, self.method)
         self.group_size = resolve_group(self.method, group_size)
         self.isa = selected_isa(isa)
         self.gpu_experts_mask = self._check_mask(gpu_experts_mask)
@@ -580,6 +583,16 @@ class KTMoEWrapper:
             f"{self.moe_intermediate_size}, method={self.method.value}, group={self.group_size}, "
             f"isa={self.isa}, threads={self.layout.threads}, pools={self.layout.pools})"
         )
+
+
+def _recorded_group(weight_path: str, method) -> int | None:
+    """The group a converted directory was written with (None: not one, or for another method)."""
+    from kt_sglang.weights.canonical_files import Manifest, is_canonical_dir
+
+    if not is_canonical_dir(weight_path):
+        return None
+    manifest = Manifest.read(weight_path)
+    return manifest.group_size if manifest.method == method.value else None
 
 
 # At interpreter exit, pending tasks finish before modules (and the buffers they read) go away.
