@@ -163,25 +163,31 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig, ax = plt.subplots(figsize=(7.5, 4.4))
     points = [r for r in rows if r["bytes_per_weight"] is not None and not r["deferred"] and not r["hot"]]
+    points.sort(key=lambda r: (r["bytes_per_weight"], r["increase_vs_reference"]))
+    near_one = [r for r in points if 0.9 < r["bytes_per_weight"] < 1.2]  # 8-bit methods: a crowd
     for r in points:
-        ax.plot(r["bytes_per_weight"], r["ppl_server"], "o", color="C0")
+        x, y = r["bytes_per_weight"], 100 * r["increase_vs_reference"]
+        ax.plot(x, y, "o", color="C0")
+        if r in near_one:  # labels stacked to the right, with a line to their point
+            k = sorted(near_one, key=lambda q: q["increase_vs_reference"]).index(r)
+            offset, arrow = (40, 12 * k - 4), {"arrowstyle": "-", "color": "gray", "lw": 0.5}
+        else:
+            offset, arrow = (5, 4), None
         ax.annotate(
-            r["label"],
-            (r["bytes_per_weight"], r["ppl_server"]),
-            fontsize=7,
-            xytext=(4, 3),
-            textcoords="offset points",
+            r["label"], (x, y), fontsize=7, xytext=offset, textcoords="offset points", arrowprops=arrow
         )
-    ref = rows[0]["ppl_reference"]
-    ax.axhline(ref, color="gray", ls="--", lw=1, label=f"float32 reference {ref:.3f}")
+    ax.axhline(
+        0, color="gray", ls="--", lw=1, label=f"float32 reference (perplexity {rows[0]['ppl_reference']:.2f})"
+    )
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("bytes per expert weight (with scales)")
-    ax.set_ylabel("held-out perplexity (server)")
-    ax.set_title("Shakespeare MoE: perplexity against weight size, per method")
+    ax.set_xlim(0.4, 3.2)
+    ax.set_xlabel("bytes per expert weight, scales included (log scale)")
+    ax.set_ylabel("held-out perplexity over the reference (%)")
+    ax.set_title("Shakespeare MoE through the SGLang server: perplexity per method")
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -195,7 +201,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default=None, help="comma-separated setting labels to run (default: all)")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
     parser.add_argument("--plot", type=Path, default=None, help="write the plot (PNG)")
+    parser.add_argument("--replot", type=Path, default=None, help="only draw --plot from this JSON")
     args = parser.parse_args(argv)
+    if args.replot:
+        plot(json.loads(args.replot.read_text())["rows"], args.plot)
+        return 0
 
     tokenizer = AutoTokenizer.from_pretrained(MODEL_DIR)
     config = AutoConfig.from_pretrained(MODEL_DIR)
