@@ -1,13 +1,15 @@
 """A bounded soak of the real server: hundreds of requests, concurrency 1-8, streaming, clients that
-hang up, malformed requests; the server's memory over time, with and without the plugin.
+hang up, malformed requests; the server's memory over time, with and without CPU experts.
 
-    python bench/bench_soak.py [--requests 400] [--modes plugin,no-plugin] [--out FILE]
+    python bench/bench_soak.py [--requests 400] [--modes cpu-experts,sglang-moe] [--out FILE]
 
-Serves the project's Shakespeare MoE on the CPU device (the plugin with AMXINT4 experts and 4 hot
-experts per layer, or SGLang alone). Per mode it reports: responses by status class (a 5xx or a
-dead server is a failure), whether the greedy continuation of a fixed prompt is the same at the end
-as at the start, and the resident memory (RSS) of the server's process tree every ``--sample-every``
-requests. Exit status 1 when a mode failed.
+Serves the project's Shakespeare MoE on the CPU device: `cpu-experts` with the plugin's CPU experts
+(AMXINT4, 4 hot experts per layer, 1 deferred per token), `sglang-moe` with SGLang's own MoE (no
+`--kt-*` flags). The plugin stays loaded in both: SGLang 0.5.23 alone cannot serve on a CPU without
+it (its rotary embedding imports vllm there), and its request checks apply to both. Per mode it
+reports: responses by status class (a 5xx or a dead server is a failure), whether the greedy
+continuation of a fixed prompt is the same at the end as at the start, and the resident memory (RSS)
+of the server's process tree every ``--sample-every`` requests. Exit status 1 when a mode failed.
 """
 
 from __future__ import annotations
@@ -69,21 +71,21 @@ def _request(port: int, method: str, path: str, body: bytes | None, read_chunks:
         conn.close()
 
 
-def _one(port: int, i: int, rng: random.Random, model: str) -> tuple[str, int]:
-    """One request of a kind picked by ``i``; returns (kind, HTTP status)."""
+def _one(port: int, i: int, rng: random.Random, model: str) -> tuple[str, int, bytes]:
+    """One request of a kind picked by ``i``; returns (kind, HTTP status, the body of an error)."""
     prompt = rng.choice(PROMPTS)
     kind = ["complete", "stream", "hang-up", "chat", "malformed"][i % 5]
     if kind == "complete":
         body = {"model": model, "prompt": prompt, "max_tokens": rng.randint(1, 24), "temperature": 0.8}
-        return kind, _request(port, "POST", "/v1/completions", json.dumps(body).encode())[0]
+        return kind, _request(port, "POST", "/v1/completions", json.dumps(body).encode())[0], b""
     if kind in ("stream", "hang-up"):
         body = {"model": model, "prompt": prompt, "max_tokens": 24, "stream": True}
         chunks = 2 if kind == "hang-up" else None
-        return kind, _request(port, "POST", "/v1/completions", json.dumps(body).encode(), chunks)[0]
+        return kind, _request(port, "POST", "/v1/completions", json.dumps(body).encode(), chunks)[0], b""
     if kind == "chat":
         messages = [{"role": "user", "content": prompt}]
         body = {"model": model, "messages": messages, "max_tokens": 12}
-        return kind, _request(port, "POST", "/v1/chat/completions", json.dumps(body).encode())[0]
+        return kind, _request(port, "POST", "/v1/chat/completions", json.dumps(body).encode())[0], b""
     bad = [
         b'{"model": "x", "prompt": ',  # not JSON
         json.dumps({"model": model, "prompt": "", "max_tokens": 4}).encode(),
@@ -96,17 +98,18 @@ def _one(port: int, i: int, rng: random.Random, model: str) -> tuple[str, int]:
         ).encode(),
     ][(i // 5) % 7]
     path = "/generate" if b"input_ids" in bad or b'"text"' in bad else "/v1/completions"
-    return f"malformed {(i // 5) % 7}", _request(port, "POST", path, bad)[0]
+    return (f"malformed {(i // 5) % 7}", *_request(port, "POST", path, bad))
 
 
 def soak(mode: str, requests: int, sample_every: int, workdir: Path, seed: int = 0) -> dict:
     args = list(CPU_DEVICE_ARGS)
-    if mode == "plugin":
+    if mode == "cpu-experts":
         args += ["--kt-weight-path", str(MODEL_DIR), "--kt-method", "AMXINT4", "--kt-cpuinfer", "2"]
         args += ["--kt-num-gpu-experts", "4", "--kt-max-deferred-experts-per-token", "1"]
     port = free_port()
     rng = random.Random(seed)
     statuses: dict[str, dict[int, int]] = {}
+    errors: dict[str, str] = {}  # the first error body of each kind
     rss: list[tuple[int, float]] = []
     with SGLangServer(server_command(MODEL_DIR, args, port), workdir / f"server-{mode}.log", port) as server:
         before = server.post("/v1/completions", {"model": str(MODEL_DIR), **GREEDY})["choices"][0]["text"]
@@ -117,11 +120,13 @@ def soak(mode: str, requests: int, sample_every: int, workdir: Path, seed: int =
             concurrency = rng.choice([1, 2, 4, 8])
             batch = list(range(done, min(requests, done + concurrency * 4)))
             with ThreadPoolExecutor(concurrency) as pool:
-                for kind, status in pool.map(
+                for kind, status, body in pool.map(
                     lambda i: _one(port, i, random.Random(seed + i), str(MODEL_DIR)), batch
                 ):
                     statuses.setdefault(kind, {}).setdefault(status, 0)
                     statuses[kind][status] += 1
+                    if status >= 400:
+                        errors.setdefault(kind, body.decode(errors="replace")[:300])
             previous, done = done, batch[-1] + 1
             if done // sample_every != previous // sample_every or done == requests:
                 rss.append((done, _tree_rss_mib(server.proc.pid)))
@@ -136,6 +141,7 @@ def soak(mode: str, requests: int, sample_every: int, workdir: Path, seed: int =
         "seconds": seconds,
         "statuses": {k: {str(s): n for s, n in v.items()} for k, v in sorted(statuses.items())},
         "server_errors": server_errors,
+        "error_messages": dict(sorted(errors.items())),
         "alive": alive,
         "greedy_unchanged": before == after,
         "greedy": before,
@@ -148,7 +154,7 @@ def soak(mode: str, requests: int, sample_every: int, workdir: Path, seed: int =
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=400)
-    parser.add_argument("--modes", default="plugin,no-plugin", help="plugin, no-plugin or both")
+    parser.add_argument("--modes", default="cpu-experts,sglang-moe", help="cpu-experts, sglang-moe or both")
     parser.add_argument("--sample-every", type=int, default=40, help="requests between RSS samples")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)

@@ -13,10 +13,10 @@ BENCH = Path(__file__).resolve().parent.parent / "bench" / "bench_soak.py"
 
 
 @pytest.mark.slow
-def test_soak_with_the_plugin(tmp_path, record_property):
+def test_soak_with_cpu_experts(tmp_path, record_property):
     out = tmp_path / "soak.json"
     r = subprocess.run(
-        [sys.executable, str(BENCH), "--requests", "200", "--modes", "plugin", "--out", str(out)],
+        [sys.executable, str(BENCH), "--requests", "200", "--modes", "cpu-experts", "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=1500,
@@ -34,4 +34,8 @@ def test_soak_with_the_plugin(tmp_path, record_property):
     assert len(malformed) == 7
     for kind, by in malformed.items():
         assert all(400 <= int(s) < 500 for s in by), (kind, by)
+    messages = result["error_messages"]  # the plugin's checks, not SGLang's, answered these
+    assert "outside the vocabulary" in messages["malformed 3"], messages
+    assert "the prompt has no tokens" in messages["malformed 2"], messages
+    assert "more than the vocabulary" in messages["malformed 6"], messages
     assert r.returncode == 0, r.stdout[-3000:]
