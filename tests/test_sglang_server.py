@@ -351,3 +351,32 @@ def _chat_in_a_terminal(command: list[str], lines: list[str], timeout_s: float =
         pass
     os.close(master)
     return out.decode(errors="replace"), status
+
+
+def test_request_checks_name_the_problem():
+    """The plugin's checks on SGLang's own request objects (the server test covers the ids and
+    top log-probabilities; an empty token list comes from a tokenizer without BOS and an empty text)."""
+    from types import SimpleNamespace
+
+    from sglang.srt.managers.io_struct import GenerateReqInput
+
+    from kt_sglang.sglang.hooks import validate_request
+
+    manager = SimpleNamespace(model_config=SimpleNamespace(vocab_size=100))
+    seen = []
+
+    def original(manager, obj, input_ids):
+        seen.append(input_ids)
+
+    for ids, logprobs, message in (
+        ([], 0, "the prompt has no tokens"),
+        ([5, 100], 0, "token id 100, outside the vocabulary \\[0, 100\\)"),
+        ([5, -1], 0, "token id -1"),
+        ([5], 101, "top_logprobs_num 101 is more than the vocabulary's 100 tokens"),
+    ):
+        obj = GenerateReqInput(text="x", return_logprob=bool(logprobs), top_logprobs_num=logprobs)
+        with pytest.raises(ValueError, match=message):
+            validate_request(original, manager, obj, ids)
+    obj = GenerateReqInput(text="x", return_logprob=True, top_logprobs_num=100)
+    validate_request(original, manager, obj, [0, 99])
+    assert seen == [[0, 99]]  # a valid request reaches SGLang's own checks

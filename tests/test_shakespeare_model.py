@@ -54,3 +54,37 @@ def test_tokenizer_starts_with_bos(model_and_tokenizer):
     assert tokenizer("")["input_ids"] == [bos]
     ids = tokenizer("ROMEO:\nBut, soft!")["input_ids"]
     assert ids[0] == bos and tokenizer.decode(ids[1:]) == "ROMEO:\nBut, soft!"
+
+
+@pytest.mark.slow
+def test_training_is_deterministic(tmp_path):
+    """Two short runs of the training script write the same weights and tokenizer."""
+    import subprocess
+    import sys
+
+    outs = []
+    for run in ("a", "b"):
+        out = tmp_path / run
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "kt_sglang.shakespeare.train",
+                "--out",
+                str(out),
+                "--steps",
+                "3",
+                "--batch",
+                "2",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=900,
+            cwd=tmp_path,
+        )
+        assert r.returncode == 0, r.stderr[-3000:]
+        outs.append(out)
+    for name in ("model.safetensors", "tokenizer.json"):
+        assert (outs[0] / name).read_bytes() == (outs[1] / name).read_bytes(), name
+    record = json.loads((outs[0] / "training.json").read_text())
+    assert record["steps"] == 3 and record["held_out_loss"] > RECORD["held_out_loss"]  # barely trained

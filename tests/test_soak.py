@@ -34,8 +34,7 @@ def test_soak_with_cpu_experts(tmp_path, record_property):
     assert len(malformed) == 7
     for kind, by in malformed.items():
         assert all(400 <= int(s) < 500 for s in by), (kind, by)
-    messages = result["error_messages"]  # the plugin's checks, not SGLang's, answered these
-    assert "outside the vocabulary" in messages["malformed 3"], messages
-    assert "the prompt has no tokens" in messages["malformed 2"], messages
+    messages = result["error_messages"]  # the plugin's checks answered these (SGLang's own died)
+    assert "outside the vocabulary [0, 4096)" in messages["malformed 3"], messages
     assert "more than the vocabulary" in messages["malformed 6"], messages
     assert r.returncode == 0, r.stdout[-3000:]

@@ -124,8 +124,11 @@ def save_model(model, tokenizer, config, out: Path) -> None:
     from safetensors.torch import save_file
 
     from kt_sglang.tiny_model import per_expert_state_dict
+    from kt_sglang.weights.canonical_files import file_mode
 
-    save_file(per_expert_state_dict(model, "qwen3_moe"), out / "model.safetensors", metadata={"format": "pt"})
+    weights = out / "model.safetensors"
+    save_file(per_expert_state_dict(model, "qwen3_moe"), weights, metadata={"format": "pt"})
+    weights.chmod(file_mode())  # safetensors creates it 0600
     config.dtype = torch.bfloat16
     config.save_pretrained(out)
     tokenizer.save_pretrained(out)

@@ -3,7 +3,7 @@
     python -m kt_sglang.shakespeare.train --out kt_sglang/shakespeare/model --plot docs/shakespeare-loss.png
 
 Deterministic (seeded data order and initialization, a fixed number of steps): two runs on the same
-machine and library versions give the same weights. The plays of ``HELD_OUT_PLAYS`` are never seen;
+machine and library versions write the same files (tested on a short run). The plays of ``HELD_OUT_PLAYS`` are never seen;
 their loss is recorded in ``training.json`` next to the weights, with the per-expert load and the
 commit of this script.
 """
@@ -74,6 +74,7 @@ def train(out: Path, spec: ModelSpec, steps: int, batch: int, lr: float, plot: P
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(spec.seed)
+    torch.use_deterministic_algorithms(True)  # the experts' scatter-adds otherwise sum in thread order
     torch.set_num_threads(os.cpu_count() or 1)
     out.mkdir(parents=True, exist_ok=True)
     train_texts = [play_text(p) for p in training_plays()]

@@ -105,7 +105,7 @@ def layer_file(layer: int) -> str:
     return f"layer-{layer:05d}.safetensors"
 
 
-def _file_mode() -> int:
+def file_mode() -> int:
     """What the umask allows a new file (safetensors creates its files 0600 whatever the umask)."""
     umask = os.umask(0)
     os.umask(umask)
@@ -119,7 +119,7 @@ def _save_atomic(tensors: dict[str, torch.Tensor], final: Path, header: dict) ->
     tmp = final.with_name(final.name + ".tmp")
     try:
         save_file(tensors, str(tmp), metadata=metadata)
-        os.chmod(tmp, _file_mode())
+        os.chmod(tmp, file_mode())
         os.replace(tmp, final)
     except Exception as exc:  # disk full, permissions (safetensors raises its own error type)
         tmp.unlink(missing_ok=True)  # leave nothing that looks written
