@@ -71,6 +71,9 @@ def run_serve(model: str, user_args: list[str], method: str | None, dry_run: boo
         print(f"error: {model} is not a local Hugging Face model directory (no config.json)", file=sys.stderr)
         return 2
     command = build_serve_command(model, user_args, method)
+    from kt_sglang.sglang.hooks import check_flags_early, exit_on_flag_error
+
+    exit_on_flag_error(check_flags_early, command[3:])  # in seconds, before SGLang's imports
     print(("" if dry_run else "==> ") + shlex.join(command), flush=True)
     if not dry_run:
         os.execv(command[0], command)

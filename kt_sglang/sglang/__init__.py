@@ -28,9 +28,16 @@ ACTIVE_MARKER = "kt-sglang plugin active"
 
 
 def register() -> None:
+    from kt_sglang.sglang import hooks
+
+    # In the launcher, check the --kt-* flags first: the imports below take seconds, and a typo
+    # should not wait for them (nor for SGLang's own parsing).
+    argv = hooks.launcher_argv(sys.argv)
+    if argv is not None and any(a.startswith("--kt-") for a in argv):
+        hooks.exit_on_flag_error(hooks.check_flags_early, argv)
+
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from kt_sglang.sglang import hooks
     from kt_sglang.sglang.method import KTEPWrapperMethod
     from kt_sglang.sglang.settings import CPU_DEVICE_ENV_VAR
 

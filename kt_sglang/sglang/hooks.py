@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from pathlib import Path
 
 from kt_sglang.sglang.settings import (
     CPU_DEVICE_ENV_VAR,
@@ -20,6 +21,40 @@ from kt_sglang.sglang.settings import (
 logger = logging.getLogger("kt_sglang")
 
 
+def check_flags_early(argv: list[str]) -> None:
+    """The `--kt-*` settings checked from argv alone (KtSettingsError), before SGLang parses it."""
+    extra, rest = split_argv(list(argv))
+    if "-h" in rest or "--help" in rest:
+        return
+    early = early_server_args(rest)
+    if early is not None and resolve(early, extra, list(argv)) is not None:
+        check_accelerator(early.device)
+
+
+def launcher_argv(argv: list[str]) -> list[str] | None:
+    """SGLang's arguments when this process is `python -m sglang.launch_server` or `sglang serve`
+    (as `sglang serve` reads them: a first positional is the model); None for any other process."""
+    import multiprocessing
+
+    if multiprocessing.parent_process() is not None:  # workers inherit the launcher's argv
+        return None
+    name, rest = Path(argv[0]).name if argv else "", list(argv[1:])
+    if name == "launch_server.py":
+        return rest
+    if name == "sglang" and rest[:1] == ["serve"]:
+        rest = rest[1:]
+        return ["--model-path", *rest] if rest and not rest[0].startswith("-") else rest
+    return None
+
+
+def exit_on_flag_error(check, *args):
+    try:
+        return check(*args)
+    except KtSettingsError as exc:
+        print(f"kt-sglang: error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
 def prepare_server_args(original, argv: list[str]):
     """Our flags out of argv, SGLang parses the rest; then every `--kt-*` setting is resolved and
     checked. A wrong flag stops the launcher with one message (exit code 2), before any worker starts."""
@@ -28,9 +63,7 @@ def prepare_server_args(original, argv: list[str]):
         print(extra_help())
         return original(rest)
     try:
-        early = early_server_args(rest)  # before SGLang's own parsing, which reads the model (seconds)
-        if early is not None and resolve(early, extra, list(argv)) is not None:
-            check_accelerator(early.device)
+        check_flags_early(argv)  # register() did too for the usual launchers; cheap
         server_args = original(rest)
         settings = resolve(server_args, extra, list(argv))
     except KtSettingsError as exc:

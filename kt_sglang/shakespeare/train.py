@@ -3,9 +3,9 @@
     python -m kt_sglang.shakespeare.train --out kt_sglang/shakespeare/model --plot docs/shakespeare-loss.png
 
 Deterministic (seeded data order and initialization, a fixed number of steps): two runs on the same
-machine and library versions write the same files (tested on a short run). The plays of ``HELD_OUT_PLAYS`` are never seen;
-their loss is recorded in ``training.json`` next to the weights, with the per-expert load and the
-commit of this script.
+machine and library versions write the same files (tested on a short run). The plays of
+``HELD_OUT_PLAYS`` are never seen; their loss is recorded in ``training.json`` next to the weights,
+with the per-expert load and the commit of this script.
 """
 
 from __future__ import annotations
