@@ -81,11 +81,6 @@ class Checkpoint:
                     "experts were converted into the model's own directory. Delete that index and the "
                     "experts-*.safetensors shards, and convert again into a directory of its own"
                 )
-            if not any(n.endswith(("embed_tokens.weight", "lm_head.weight")) for n in weight_map):
-                raise CheckpointError(
-                    f"{index_path} lists no embedding or lm_head tensor: it does not describe this "
-                    "model's files (restore the checkpoint's own index)"
-                )
             files = {name: self.path / shard for name, shard in weight_map.items()}
             for shard in sorted(set(files.values())):
                 if not shard.is_file():
