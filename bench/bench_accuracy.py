@@ -52,7 +52,7 @@ class Setting:
     @property
     def label(self) -> str:
         if self.method is None:
-            return "SGLang, no plugin (bf16)"
+            return "SGLang's own MoE (bf16)"  # the plugin loaded, no --kt-* flags
         text = self.method + (
             f" g{self.group}"
             if self.group and len(METHODS[parse_method(self.method)].allowed_groups) > 1
