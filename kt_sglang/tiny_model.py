@@ -28,12 +28,6 @@ capital of France. Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000. Tell me a story abo
 learns to paint. Once upon a time there was a small robot in a quiet town by the sea.
 """
 
-CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-
 
 @dataclass(frozen=True)
 class TinyMoESpec:
@@ -54,28 +48,10 @@ class TinyMoESpec:
 
 
 def train_tokenizer(out_dir: Path, vocab_size: int) -> int:
-    """Byte-level BPE trained on the embedded corpus, with a ChatML chat template; returns its size."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
+    """Byte-level BPE trained on the embedded corpus (kt_sglang.tokenizer); returns its size."""
+    from kt_sglang.tokenizer import train_bpe_tokenizer
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(_CORPUS.splitlines(), trainer)
-    bos = SPECIAL_TOKENS[0]  # prepended on encode: an empty prompt is one token, not none
-    tok.post_processor = processors.TemplateProcessing(
-        single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, tok.token_to_id(bos))]
-    )
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token=bos, bos_token=bos)
-    fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(out_dir)
-    return tok.get_vocab_size()
+    return len(train_bpe_tokenizer(_CORPUS.splitlines(), vocab_size, out_dir))
 
 
 def _config(spec: TinyMoESpec, vocab: int, eos: int, pad: int):

@@ -209,7 +209,9 @@ def test_sglang_serve_entry_point_loads_the_plugin(qwen, tmp_path):
     assert "--kt-num-gpu-experts 9 is more than the model's 8 experts" in r.stderr
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="this machine has a GPU: the message is for machines without one"
+)
 def test_no_gpu_without_device_cpu_says_what_to_add(qwen, tmp_path):
     model_dir, _ = qwen
     cmd = server_command(model_dir, ["--kt-weight-path", str(model_dir), "--kt-method", "BF16"], free_port())

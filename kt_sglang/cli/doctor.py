@@ -47,7 +47,7 @@ def _check_model(model: str, method: str, available: int, problems: list[str], a
     from pathlib import Path
 
     from kt_sglang.engine.methods import parse_method, resolve_group
-    from kt_sglang.weights.canonical_files import Manifest, format_size, matrix_bytes
+    from kt_sglang.weights.canonical_files import expert_bytes, format_size
     from kt_sglang.weights.checkpoint import open_checkpoint
 
     try:
@@ -56,11 +56,8 @@ def _check_model(model: str, method: str, available: int, problems: list[str], a
     except ValueError as exc:
         problems.append(str(exc))
         return
-    fake = Manifest(
-        m.value, resolve_group(m, None), "", spec.num_layers, list(spec.moe_layers), spec.num_experts,
-        spec.hidden_size, spec.intermediate_size, "", "", "",
-    )  # fmt: skip
-    experts = len(spec.moe_layers) * spec.num_experts * matrix_bytes(fake)
+    one = expert_bytes(m, resolve_group(m, None), spec.hidden_size, spec.intermediate_size)
+    experts = len(spec.moe_layers) * spec.num_experts * one
     print(
         f"model {model}: {len(spec.moe_layers)} MoE layers x {spec.num_experts} experts; as {m.value} the "
         f"CPU experts take {format_size(experts)} of RAM ({available / 2**30:.1f} GiB available)"

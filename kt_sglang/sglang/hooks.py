@@ -21,8 +21,13 @@ from kt_sglang.sglang.settings import (
 logger = logging.getLogger("kt_sglang")
 
 
+_checked_early = False  # register() checked this process's flags already
+
+
 def check_flags_early(argv: list[str]) -> None:
     """The `--kt-*` settings checked from argv alone (KtSettingsError), before SGLang parses it."""
+    global _checked_early
+    _checked_early = True
     extra, rest = split_argv(list(argv))
     if "-h" in rest or "--help" in rest:
         return
@@ -63,7 +68,8 @@ def prepare_server_args(original, argv: list[str]):
         print(extra_help())
         return original(rest)
     try:
-        check_flags_early(argv)  # register() did too for the usual launchers; cheap
+        if not _checked_early:  # another launcher than register() knows
+            check_flags_early(argv)
         server_args = original(rest)
         settings = resolve(server_args, extra, list(argv))
     except KtSettingsError as exc:

@@ -100,7 +100,7 @@ def early_server_args(rest: list[str]) -> argparse.Namespace | None:
     """The few SGLang flags our checks read, parsed from argv as SGLang will (same names, types and
     defaults), so that the `--kt-*` settings are checked before SGLang's own parsing and model
     inspection; None when argv does not parse (SGLang then reports it)."""
-    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
     parser.add_argument("--model-path", "--model", dest="model_path", default=None)
     parser.add_argument("--tp-size", "--tensor-parallel-size", "--tp", dest="tp_size", type=int, default=1)
     parser.add_argument("--device", default=None)
@@ -112,7 +112,7 @@ def early_server_args(rest: list[str]) -> argparse.Namespace | None:
     parser.add_argument("--kt-max-deferred-experts-per-token", type=int, default=None)
     try:
         args, _ = parser.parse_known_args(rest)
-    except (SystemExit, ValueError):
+    except (argparse.ArgumentError, SystemExit, ValueError):  # silent: SGLang's parser reports it
         return None
     return args if args.model_path is not None else None
 

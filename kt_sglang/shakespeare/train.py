@@ -22,14 +22,13 @@ import torch
 
 from kt_sglang.shakespeare.corpus import HELD_OUT_PLAYS, play_text, training_plays
 from kt_sglang.shakespeare.model import (
-    BOS,
     ModelSpec,
     build_config,
     eval_windows,
     held_out_loss,
     save_model,
-    train_tokenizer,
 )
+from kt_sglang.tokenizer import BOS, train_bpe_tokenizer
 
 
 def _lr(step: int, steps: int, peak: float, warmup: int) -> float:
@@ -78,7 +77,7 @@ def train(out: Path, spec: ModelSpec, steps: int, batch: int, lr: float, plot: P
     torch.set_num_threads(os.cpu_count() or 1)
     out.mkdir(parents=True, exist_ok=True)
     train_texts = [play_text(p) for p in training_plays()]
-    tokenizer = train_tokenizer(train_texts, spec.vocab_size, out)
+    tokenizer = train_bpe_tokenizer(train_texts, spec.vocab_size, out)
     bos = tokenizer.convert_tokens_to_ids(BOS)
     stream = torch.tensor(
         [t for text in train_texts for t in tokenizer(text, add_special_tokens=False)["input_ids"]]

@@ -136,12 +136,11 @@ def format_size(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
-def matrix_bytes(manifest: Manifest) -> int:
+def expert_bytes(method: Method, group: int, H: int, I: int) -> int:
     """Bytes of one expert's three canonical matrices."""
-    method, H, I = Method(manifest.method), manifest.hidden_size, manifest.intermediate_size
     total = 0
     for N, K in ((I, H), (I, H), (H, I)):
-        for shape, dtype in canonical_layout(method, manifest.group_size, N, K).values():
+        for shape, dtype in canonical_layout(method, group, N, K).values():
             total += math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     return total
 

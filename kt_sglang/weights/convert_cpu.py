@@ -30,9 +30,9 @@ from kt_sglang.weights.canonical_files import (
     Manifest,
     clean_leftovers,
     dtype_name,
+    expert_bytes,
     format_size,
     layer_is_complete,
-    matrix_bytes,
     merge_layers,
     read_index,
     sha256_text,
@@ -127,7 +127,10 @@ def check_output(input_path: Path, output: Path) -> None:
 
 
 def check_free_space(out: Path, manifest: Manifest, layers: int, merge: bool) -> None:
-    layer_bytes = manifest.num_experts * matrix_bytes(manifest)
+    one = expert_bytes(
+        Method(manifest.method), manifest.group_size, manifest.hidden_size, manifest.intermediate_size
+    )
+    layer_bytes = manifest.num_experts * one
     need = layers * layer_bytes + (len(manifest.moe_layers) * layer_bytes if merge else 0)
     free = shutil.disk_usage(out).free
     if need > free:
