@@ -8,8 +8,8 @@ import pytest
 import torch
 from conftest import isa_params
 
-from kt_sglang.engine.canonical import dequantize, quantize
-from kt_sglang.engine.methods import METHODS
+from kt_sglang.engine.canonical import dequantize, quantize, random_canonical
+from kt_sglang.engine.methods import METHODS, parse_method
 from kt_sglang.engine.native import _native
 from kt_sglang.engine.reference import relative_error
 
@@ -47,10 +47,14 @@ def _cases():
 
 
 def _packed(method, group, w):
-    """The engine's quantization of `w` [N, K], its dequantized float32 copy, and its packed panels."""
+    """The engine's quantization of `w` [N, K] (random checkpoint values for a method that comes from
+    checkpoints only), its dequantized float32 copy, and its packed panels."""
     N, K = w.shape
-    canon = quantize(method, w.bfloat16(), group)
-    tensors = [canon.weight, canon.scales, canon.mins]
+    if METHODS[parse_method(method)].quantizes_dense:
+        canon = quantize(method, w.bfloat16(), group)
+    else:
+        canon = random_canonical(method, N, K, group, seed=N + K)
+    tensors = [canon.weight, canon.scales, canon.mins if canon.zeros is None else canon.zeros]
     packed = torch.zeros(
         _native.packed_bytes(getattr(_native.Method, method), group, N, K), dtype=torch.uint8
     )
@@ -120,7 +124,7 @@ def test_zero_padding_past_the_source(method):
     """K not a multiple of the group and N not of 16: packing zero-fills the rest, so a kernel over
     the padded sizes equals the product over the source's."""
     group = next(info for m, info in METHODS.items() if m.value == method).default_group
-    N, K = 21, group + 40
+    N, K = 21, max(group, 64) + 40
     w = torch.randn(N, K, generator=torch.Generator().manual_seed(3)) / K**0.5
     dense, packed = _packed(method, group, w)
     Kp, Np = -(-K // max(group, 64)) * max(group, 64), 32

@@ -9,6 +9,9 @@ row of the native table lists (``METHODS[m].tensors``; ``native/include/kt/quant
   ``mins`` fp16 ``[N, G]``; w = scale * q + min
 - ``FP8``: ``weight`` float8_e4m3fn ``[N, K]``, ``scales`` fp32 ``[ceil(N/128), ceil(K/128)]``
 - ``FP8_PERCHANNEL``: ``weight`` float8_e4m3fn ``[N, K]``, ``scales`` fp32 ``[N]``
+- ``RAWINT4``: ``weight`` as AMXINT4's, ``scales`` bf16 ``[N, G]``; w = scale * (q - 8)
+- ``GPTQ_INT4``: ``weight`` as AMXINT4's, ``scales`` fp16 and ``zeros`` uint8 ``[N, G]``;
+  w = scale * (q - zero)
 
 with ``G = ceil(K / group)``. The weight files of a later stage store exactly these tensors.
 """
@@ -28,6 +31,7 @@ class CanonicalMatrix:
     weight: torch.Tensor
     scales: torch.Tensor | None = None
     mins: torch.Tensor | None = None
+    zeros: torch.Tensor | None = None
 
 
 def canonical_layout(
@@ -42,12 +46,14 @@ def dequantize(
 ) -> torch.Tensor:
     """The float32 ``[N, K]`` matrix a canonical one stands for, computed in torch (the tests'
     reference, independent of the engine)."""
-    group = resolve_group(parse_method(method), group_size)
+    method = parse_method(method)
+    group = resolve_group(method, group_size)
     w = m.weight
     if w.dtype == torch.uint8:  # two nibbles a byte, low = even k
         q = torch.stack([w & 0x0F, w >> 4], dim=-1).reshape(w.shape[0], -1)[:, :K].float()
     else:
         q = w.float()
+    q = q - METHODS[method].weight_zero
     N = q.shape[0]
 
     def expand(t: torch.Tensor) -> torch.Tensor:  # a scale table -> one value per weight
@@ -58,6 +64,8 @@ def dequantize(
             t = t.repeat_interleave(group, 0)[:N]
         return t.repeat_interleave(group, 1)[:, :K]
 
+    if m.zeros is not None:
+        q = q - expand(m.zeros)
     out = q if m.scales is None else q * expand(m.scales)
     return out if m.mins is None else out + expand(m.mins)
 
@@ -90,6 +98,28 @@ def quantize(method: str | Method, w: torch.Tensor, group_size: int | None = Non
         out["mins"].data_ptr() if "mins" in out else 0,
     )
     return CanonicalMatrix(out["weight"], out.get("scales"), out.get("mins"))
+
+
+def random_canonical(
+    method: str | Method, N: int, K: int, group_size: int | None = None, seed: int = 0
+) -> CanonicalMatrix:
+    """A random matrix in a method's own canonical tensors, with weights of about N(0, 1/K): how
+    bench, check-engine and the tests make layers of the methods that come from checkpoints only
+    (RAWINT4, GPTQ_INT4), whose values no quantizer of the engine writes."""
+    method = parse_method(method)
+    group = resolve_group(method, group_size)
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, (shape, dtype) in canonical_layout(method, group, N, K).items():
+        if name == "weight" and dtype == torch.uint8:  # nibbles
+            out[name] = torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8)
+        elif name == "zeros":
+            out[name] = torch.randint(6, 11, shape, generator=gen, dtype=torch.uint8)
+        elif name == "scales":  # nibbles minus their zero spread about 4.6
+            out[name] = ((0.5 + torch.rand(shape, generator=gen)) / (4.6 * K**0.5)).to(dtype)
+        else:
+            raise ValueError(f"random_canonical does not make {method.value}'s {name}; use quantize()")
+    return CanonicalMatrix(**out)
 
 
 def check_matrix(

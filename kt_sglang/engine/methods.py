@@ -14,7 +14,7 @@ import torch
 from kt_sglang.engine.native import _native
 
 # Named by kt-kernel and accepted by SGLang's flag, not implemented by this engine.
-UNSUPPORTED_METHODS = ("RAWINT4", "GPTQ_INT4", "LLAMAFILE", "MOE_INT4", "MOE_INT8")
+UNSUPPORTED_METHODS = ("LLAMAFILE", "MOE_INT4", "MOE_INT8")
 
 _TABLE = _native.method_table()
 
@@ -70,6 +70,8 @@ class MethodInfo:
     int8_h: bool  # the down projection reads h quantized to int8 (else bf16)
     weight_bits: int
     quantizes_dense: bool  # the engine quantizes bf16/fp16/fp32 weights to it
+    weight_zero: int  # the stored weight that stands for 0 where no mins/zeros tensor says (RAWINT4: 8)
+    checkpoint_format: str | None  # "fp8", "pack-quantized", "gptq": read as is; None: quantized
     tensors: tuple[TensorSpec, ...]
     error_bound: float  # relative L2 error of a random layer against float32
 
@@ -89,6 +91,8 @@ METHODS: dict[Method, MethodInfo] = {
         row["int8_h"],
         row["weight_bits"],
         row["quantizes_dense"],
+        row["weight_zero"],
+        row["checkpoint_format"],
         tuple(TensorSpec(name, _DTYPES[dtype], shape) for name, dtype, shape in row["tensors"]),
         row["error_bound"],
     )

@@ -68,14 +68,16 @@ PYBIND11_MODULE(_native, m) {
         if (c.name)
           tensors.append(py::make_tuple(c.name, kTensorDTypes[static_cast<int>(c.dtype)],
                                         kTensorShapes[static_cast<int>(c.shape)]));
-      out.append(py::dict(py::arg("method") = t.method, py::arg("name") = t.name,
-                          py::arg("aliases") = aliases, py::arg("summary") = t.summary,
-                          py::arg("default_group") = t.default_group, py::arg("allowed_groups") = groups,
-                          py::arg("int8_activations") = t.gate_up_input == Activation::kInt8,
-                          py::arg("int8_h") = t.down_input == Activation::kInt8,
-                          py::arg("weight_bits") = t.weight_bits,
-                          py::arg("quantizes_dense") = t.quantizes_dense, py::arg("tensors") = tensors,
-                          py::arg("error_bound") = t.error_bound));
+      out.append(py::dict(
+          py::arg("method") = t.method, py::arg("name") = t.name, py::arg("aliases") = aliases,
+          py::arg("summary") = t.summary, py::arg("default_group") = t.default_group,
+          py::arg("allowed_groups") = groups,
+          py::arg("int8_activations") = t.gate_up_input == Activation::kInt8,
+          py::arg("int8_h") = t.down_input == Activation::kInt8, py::arg("weight_bits") = t.weight_bits,
+          py::arg("quantizes_dense") = t.quantizes_dense, py::arg("weight_zero") = t.weight_zero,
+          py::arg("checkpoint_format") =
+              t.checkpoint_format ? py::object(py::str(t.checkpoint_format)) : py::none(),
+          py::arg("tensors") = tensors, py::arg("error_bound") = t.error_bound));
     }
     return out;
   });

@@ -68,8 +68,8 @@ void pack_group_int8(const CanonicalMatrix& src, const PackRegion& region, int64
     s[n] = v.group_entry(static_cast<const uint16_t*>(src.scales), n0 + n, gi);
 }
 
-void pack_group_int4(const CanonicalMatrix& src, const PackRegion& region, int64_t n0, int64_t gi,
-                     uint8_t* dst) {
+void pack_nibbles(const CanonicalMatrix& src, const PackRegion& region, int64_t n0, int64_t gi,
+                  uint8_t* dst) {
   const SourceView v{src, region};
   const int group = src.group;
   const int64_t k0 = gi * group;
@@ -81,6 +81,13 @@ void pack_group_int4(const CanonicalMatrix& src, const PackRegion& region, int64
         const uint8_t hi = v.nibble(n0 + n, k0 + 4 * (r + half) + j);
         dst[(r * kPanelWidth + n) * 4 + j] = static_cast<uint8_t>(lo | (hi << 4));
       }
+}
+
+void pack_group_int4(const CanonicalMatrix& src, const PackRegion& region, int64_t n0, int64_t gi,
+                     uint8_t* dst) {
+  pack_nibbles(src, region, n0, gi, dst);
+  const SourceView v{src, region};
+  const int group = src.group;
   auto* s = reinterpret_cast<uint16_t*>(dst + group_weight_bytes(src.method, group));
   for (int n = 0; n < kPanelWidth; ++n) {
     s[n] = v.group_entry(static_cast<const uint16_t*>(src.scales), n0 + n, gi);

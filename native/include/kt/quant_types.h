@@ -13,8 +13,11 @@
 //         nibble = row r + group/8 (so one AND and one shift give two int8 rows)
 //   FP8:  32-byte row r holds the e4m3 bytes of W[n][2r], W[n][2r+1] for n = 0..15 (BF16's order at
 //         one byte a weight: decoding a row gives one BF16 row)
+//   RAWINT4, GPTQ_INT4: INT4's nibble layout
 // followed by the group's scale block, per channel: INT8 fp16 `scale[16]` (w = scale * (u8 - 128)),
-// INT4 fp16 `scale[16]`, `min[16]` (w = scale * q + min), FP8 fp32 `scale[16]` (w = scale * e4m3).
+// INT4 fp16 `scale[16]`, `min[16]` (w = scale * q + min), FP8 fp32 `scale[16]` (w = scale * e4m3),
+// RAWINT4 bf16 `scale[16]` (w = scale * (q - 8)), GPTQ_INT4 fp16 `scale[16]`, fp16 `-zero[16]`
+// (w = scale * (q - zero)).
 #pragma once
 
 #include <cstdint>
@@ -24,8 +27,16 @@
 
 namespace kt {
 
-enum class Method : int { kBf16 = 0, kInt8 = 1, kInt4 = 2, kFp8 = 3, kFp8PerChannel = 4 };
-inline constexpr int kNumMethods = 5;
+enum class Method : int {
+  kBf16 = 0,
+  kInt8 = 1,
+  kInt4 = 2,
+  kFp8 = 3,
+  kFp8PerChannel = 4,
+  kRawInt4 = 5,
+  kGptqInt4 = 6,
+};
+inline constexpr int kNumMethods = 7;
 
 inline constexpr int kPanelWidth = 16;  // output channels per panel
 inline constexpr int kKAlign = 64;      // K and the intermediate slices are padded to this
@@ -44,7 +55,7 @@ enum class TensorShape : int {
   kN = 4,        // [N]: one value per row
 };
 struct CanonicalTensor {
-  const char* name = nullptr;  // "weight", "scales" or "mins"; nullptr: unused slot
+  const char* name = nullptr;  // "weight", "scales", "mins" or "zeros"; nullptr: unused slot
   TensorDType dtype = TensorDType::kBf16;
   TensorShape shape = TensorShape::kNK;
 };
@@ -65,6 +76,12 @@ struct MethodTraits {
   int weight_bits;       // packed bits per weight
   int scale_bytes;       // packed scale bytes per channel and group
   bool quantizes_dense;  // the engine quantizes bf16/fp16/fp32 matrices to it (kt/quantize.h)
+  // The stored weight value that stands for zero where no mins or zeros tensor says it (RAWINT4's
+  // nibbles hold q + 8); 0 for the others.
+  int weight_zero;
+  // The checkpoint format whose values it takes as they are (kt_sglang/weights/checkpoint.py reads
+  // it): "fp8", "pack-quantized" (compressed-tensors), "gptq"; nullptr: the engine quantizes.
+  const char* checkpoint_format;
   CanonicalTensor tensors[3];
   float error_bound;  // relative L2 error of a random layer against float32 (tests, check-engine)
 };
@@ -86,6 +103,8 @@ inline constexpr MethodTraits kMethodTable[kNumMethods] = {
      .weight_bits = 16,
      .scale_bytes = 0,
      .quantizes_dense = true,
+     .weight_zero = 0,
+     .checkpoint_format = nullptr,
      .tensors = {{"weight", TensorDType::kBf16, TensorShape::kNK}},
      .error_bound = 0.01f},
     {.method = Method::kInt8,
@@ -99,6 +118,8 @@ inline constexpr MethodTraits kMethodTable[kNumMethods] = {
      .weight_bits = 8,
      .scale_bytes = 2,
      .quantizes_dense = true,
+     .weight_zero = 0,
+     .checkpoint_format = nullptr,
      .tensors = {{"weight", TensorDType::kInt8, TensorShape::kNK},
                  {"scales", TensorDType::kFp16, TensorShape::kNGroups}},
      .error_bound = 0.02f},
@@ -113,6 +134,8 @@ inline constexpr MethodTraits kMethodTable[kNumMethods] = {
      .weight_bits = 4,
      .scale_bytes = 4,
      .quantizes_dense = true,
+     .weight_zero = 0,
+     .checkpoint_format = nullptr,
      .tensors = {{"weight", TensorDType::kUint8, TensorShape::kNHalfK},
                  {"scales", TensorDType::kFp16, TensorShape::kNGroups},
                  {"mins", TensorDType::kFp16, TensorShape::kNGroups}},
@@ -128,6 +151,8 @@ inline constexpr MethodTraits kMethodTable[kNumMethods] = {
      .weight_bits = 8,
      .scale_bytes = 4,
      .quantizes_dense = true,
+     .weight_zero = 0,
+     .checkpoint_format = "fp8",
      .tensors = {{"weight", TensorDType::kFp8E4m3, TensorShape::kNK},
                  {"scales", TensorDType::kFp32, TensorShape::kBlocks}},
      .error_bound = 0.06f},
@@ -142,9 +167,45 @@ inline constexpr MethodTraits kMethodTable[kNumMethods] = {
      .weight_bits = 8,
      .scale_bytes = 4,
      .quantizes_dense = true,
+     .weight_zero = 0,
+     .checkpoint_format = "fp8",
      .tensors = {{"weight", TensorDType::kFp8E4m3, TensorShape::kNK},
                  {"scales", TensorDType::kFp32, TensorShape::kN}},
      .error_bound = 0.06f},
+    {.method = Method::kRawInt4,
+     .name = "RAWINT4",
+     .aliases = {nullptr, nullptr},
+     .summary = "int4 weights as compressed-tensors pack-quantized checkpoints ship them (Kimi-K2): "
+                "symmetric, bf16 scale per group of K",
+     .default_group = 32,
+     .allowed_groups = {32, 64, 128},
+     .gate_up_input = Activation::kInt8,
+     .down_input = Activation::kInt8,
+     .weight_bits = 4,
+     .scale_bytes = 2,
+     .quantizes_dense = false,
+     .weight_zero = 8,
+     .checkpoint_format = "pack-quantized",
+     .tensors = {{"weight", TensorDType::kUint8, TensorShape::kNHalfK},
+                 {"scales", TensorDType::kBf16, TensorShape::kNGroups}},
+     .error_bound = 0.01f},
+    {.method = Method::kGptqInt4,
+     .name = "GPTQ_INT4",
+     .aliases = {"GPTQ", nullptr},
+     .summary = "int4 weights as GPTQ checkpoints ship them: fp16 scale and zero point per group of K",
+     .default_group = 128,
+     .allowed_groups = {32, 64, 128},
+     .gate_up_input = Activation::kInt8,
+     .down_input = Activation::kInt8,
+     .weight_bits = 4,
+     .scale_bytes = 4,
+     .quantizes_dense = false,
+     .weight_zero = 0,
+     .checkpoint_format = "gptq",
+     .tensors = {{"weight", TensorDType::kUint8, TensorShape::kNHalfK},
+                 {"scales", TensorDType::kFp16, TensorShape::kNGroups},
+                 {"zeros", TensorDType::kUint8, TensorShape::kNGroups}},
+     .error_bound = 0.01f},
 };
 
 constexpr bool rows_follow_enum() {

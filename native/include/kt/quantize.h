@@ -8,6 +8,9 @@
 //                   scales fp16 [N, G], mins fp16 [N, G]                          w = scale * q + min
 //   FP8:            weight e4m3 [N, K], scales fp32 [ceil(N/128), ceil(K/128)]   w = scale * e4m3
 //   FP8_PERCHANNEL: weight e4m3 [N, K], scales fp32 [N]                          w = scale * e4m3
+//   RAWINT4:        weight uint8 [N, ceil(K/2)] as AMXINT4, scales bf16 [N, G]   w = scale * (q - 8)
+//   GPTQ_INT4:      weight uint8 [N, ceil(K/2)] as AMXINT4, scales fp16 [N, G],
+//                   zeros uint8 [N, G]                                           w = scale * (q - zero)
 // with G = ceil(K / group). docs/weight-format.md describes the files built from them.
 #pragma once
 
@@ -24,7 +27,7 @@ struct CanonicalMatrix {
   int group = 0;
   void* weight = nullptr;  // row-major, of the method's weight dtype
   void* scales = nullptr;  // quantized methods
-  void* mins = nullptr;    // AMXINT4
+  void* mins = nullptr;    // the third tensor: AMXINT4's mins, GPTQ_INT4's zeros
   int64_t num_groups() const { return (K + group - 1) / group; }
   int64_t weight_row_bytes() const;
   // Whether the tensors the method needs are all there.

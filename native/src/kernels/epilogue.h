@@ -3,7 +3,8 @@
 // With activations a = sa * qa (per row and group, scaled_sum = sa * sum(qa)) and packed weights u
 // (INT8: u = q + 128, w = ws * q; INT4: u = q, w = ws * q + wm), one group contributes
 //     sa * ws * D + scaled_sum * wm,   D = sum(qa * u),   wm = -128 * ws for INT8,
-// so a single u8 x s8 dot product (AMX tdpbsud, AVX-512 vpdpbusd) serves both methods. (AMX INT8
+// so a single u8 x s8 dot product (AMX tdpbsud, AVX-512 vpdpbusd) serves every integer method; the
+// checkpoint formats decode to INT4's form: RAWINT4 wm = -8 * ws, GPTQ_INT4 wm = -zero * ws. (AMX INT8
 // stages q itself and runs tdpbssd, which drops the INT8 offset term: amx/qgemm-inl.h.)
 #pragma once
 
@@ -15,19 +16,29 @@
 namespace kt::kernels {
 
 // The methods whose packed groups these kernels decode: a method of another layout has its own
-// kernels (src/methods/<method>/) and must never reach an INT8 / INT4 branch.
+// kernels (src/methods/<method>/) and must never reach an integer branch.
 template <Method M>
-inline constexpr bool kIntegerMethod = M == Method::kInt8 || M == Method::kInt4;
+inline constexpr bool kIntegerMethod =
+    M == Method::kInt8 || M == Method::kInt4 || M == Method::kRawInt4 || M == Method::kGptqInt4;
+// Whether a method's packed weights are INT4's nibbles (else INT8's bytes).
+template <Method M>
+inline constexpr bool kNibbles = kIntegerMethod<M> && method_traits(M).weight_bits == 4;
 
+// Each integer method's scale block (quant_types.h) as the scale ws and offset wm of the epilogue.
 template <Method M>
 struct GroupScales {
-  // fp16 scale (and min) of channel n in the group's scale block.
+  static_assert(kIntegerMethod<M>);
   static float scale(const uint8_t* block, int n) {
-    return fp16_to_float(reinterpret_cast<const uint16_t*>(block)[n]);
+    const uint16_t bits = reinterpret_cast<const uint16_t*>(block)[n];
+    if constexpr (M == Method::kRawInt4) return bf16_to_float(bits);
+    return fp16_to_float(bits);
   }
   static float offset(const uint8_t* block, int n) {
     if constexpr (M == Method::kInt8) return -128.0f * scale(block, n);
-    return fp16_to_float(reinterpret_cast<const uint16_t*>(block)[kPanelWidth + n]);
+    if constexpr (M == Method::kRawInt4) return -float{method_traits(M).weight_zero} * scale(block, n);
+    const float second = fp16_to_float(reinterpret_cast<const uint16_t*>(block)[kPanelWidth + n]);
+    if constexpr (M == Method::kGptqInt4) return scale(block, n) * second;  // second = -zero
+    return second;
   }
 };
 
@@ -35,7 +46,7 @@ struct GroupScales {
 template <Method M>
 inline uint8_t packed_weight(const uint8_t* w, int group, int n, int k) {
   const int r = k / 4, j = k % 4;
-  if constexpr (M == Method::kInt8) {
+  if constexpr (!kNibbles<M>) {
     return w[(r * kPanelWidth + n) * 4 + j];
   } else {
     const int half = group / 8;

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "fp8/fp8.h"
+#include "int4_checkpoint/int4_checkpoint.h"
 
 namespace kt {
 
@@ -26,11 +27,13 @@ bool has_avx512_bf16_vbmi(const CpuFeatures& f) {
 }
 
 constexpr MethodOps kOps[kNumMethods] = {
-    {pack_group_bf16, quantize_rows_rowwise},  // BF16
-    {pack_group_int8, quantize_rows_rowwise},  // AMXINT8
-    {pack_group_int4, quantize_rows_rowwise},  // AMXINT4
-    {fp8::pack_group, fp8::quantize_rows},     // FP8
-    {fp8::pack_group, fp8::quantize_rows},     // FP8_PERCHANNEL
+    {pack_group_bf16, quantize_rows_rowwise},        // BF16
+    {pack_group_int8, quantize_rows_rowwise},        // AMXINT8
+    {pack_group_int4, quantize_rows_rowwise},        // AMXINT4
+    {fp8::pack_group, fp8::quantize_rows},           // FP8
+    {fp8::pack_group, fp8::quantize_rows},           // FP8_PERCHANNEL
+    {int4_checkpoint::pack_group_rawint4, nullptr},  // RAWINT4
+    {int4_checkpoint::pack_group_gptq, nullptr},     // GPTQ_INT4
 };
 
 // Per method in ascending ISA order: a higher family's row replaces a lower one's where usable.
@@ -54,6 +57,12 @@ constexpr KernelRow kKernels[] = {
     {Method::kFp8PerChannel, Isa::kScalar, always, nullptr, k::scalar::gemm_fp8},
     {Method::kFp8PerChannel, Isa::kAvx2, always, nullptr, k::avx2::gemm_fp8},
     {Method::kFp8PerChannel, Isa::kAvx512, has_avx512_bf16_vbmi, nullptr, k::avx512::gemm_fp8},
+    {Method::kRawInt4, Isa::kScalar, always, k::scalar::gemm_rawint4, k::scalar::gemm_rawint4_a16},
+    {Method::kRawInt4, Isa::kAvx2, always, k::avx2::gemm_rawint4, k::avx2::gemm_rawint4_a16},
+    {Method::kRawInt4, Isa::kAvx512, has_avx512_vnni, k::avx512::gemm_rawint4, k::avx512::gemm_rawint4_a16},
+    {Method::kGptqInt4, Isa::kScalar, always, k::scalar::gemm_gptq, k::scalar::gemm_gptq_a16},
+    {Method::kGptqInt4, Isa::kAvx2, always, k::avx2::gemm_gptq, k::avx2::gemm_gptq_a16},
+    {Method::kGptqInt4, Isa::kAvx512, has_avx512_vnni, k::avx512::gemm_gptq, k::avx512::gemm_gptq_a16},
 };
 
 std::string upper(std::string_view s) {

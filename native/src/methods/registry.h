@@ -39,6 +39,8 @@ std::span<const KernelRow> kernel_rows();
 void pack_group_bf16(const CanonicalMatrix&, const PackRegion&, int64_t n0, int64_t gi, uint8_t* dst);
 void pack_group_int8(const CanonicalMatrix&, const PackRegion&, int64_t n0, int64_t gi, uint8_t* dst);
 void pack_group_int4(const CanonicalMatrix&, const PackRegion&, int64_t n0, int64_t gi, uint8_t* dst);
+// The weight block of an INT4-layout group (quant_types.h) from a canonical nibble weight.
+void pack_nibbles(const CanonicalMatrix&, const PackRegion&, int64_t n0, int64_t gi, uint8_t* dst);
 void quantize_rows_rowwise(const void* src, DType dtype, CanonicalMatrix& dst, int64_t row_begin,
                            int64_t row_end);
 

@@ -1,16 +1,18 @@
-// AVX2 quantized GEMM (INT8 and INT4) without VNNI, on tiles of up to kTileRows rows x one panel
+// AVX2 quantized GEMM (the integer methods) without VNNI, on tiles of up to kTileRows rows x one panel
 // (two halves of 8 channels): each weight vector loaded and unpacked serves every row of the tile.
 // vpmaddubsw multiplies unsigned by signed bytes into s16 pair sums, which must not saturate:
 // - INT8: |q| (q = u - 128, |q| <= 128) times the activation carrying q's sign (|a| <= 127):
 //   pairs <= 2 * 128 * 127 < 32767. The dot product is over q itself, so the offset term of
 //   ../epilogue.h drops out.
-// - INT4: u <= 15 in both nibble halves, whose two pair sums added in s16 stay <= 4 * 15 * 127.
+// - Nibbles (INT4, RAWINT4, GPTQ_INT4): u <= 15 in both halves, whose two pair sums added in s16
+//   stay <= 4 * 15 * 127.
 // vpmaddwd by ones widens to int32. The fp32 sums live in C (read and written once per group).
 #pragma once
 
 #include <immintrin.h>
 
 #include <algorithm>
+#include <utility>
 
 #include "../activations.h"
 #include "../epilogue.h"
@@ -21,6 +23,22 @@ namespace kt::kernels::avx2 {
 // Rows per tile: 4 x 2 int32 sums plus the unpacked weights, the broadcast and the constants fill
 // the 16 registers (Zen 4, Qwen3 at 512 tokens: 3 rows x0.97-0.99, 5 rows x0.97-1.00).
 inline constexpr int kTileRows = 4;
+
+// Half h (channels 8h..8h+7) of one group's scale ws and offset wm (../epilogue.h).
+template <Method M>
+inline std::pair<__m256, __m256> group_scales(const uint8_t* block, int h) {
+  auto load8 = [&](int offset) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + offset)); };
+  if constexpr (M == Method::kRawInt4) {  // bf16 scales, symmetric around weight_zero
+    const __m256 ws = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(load8(16 * h)), 16));
+    return {ws, _mm256_mul_ps(ws, _mm256_set1_ps(-float{method_traits(M).weight_zero}))};
+  } else {
+    const __m256 ws = _mm256_cvtph_ps(load8(16 * h));
+    if constexpr (M == Method::kInt8) return {ws, _mm256_mul_ps(ws, _mm256_set1_ps(-128.0f))};
+    const __m256 second = _mm256_cvtph_ps(load8(32 + 16 * h));
+    if constexpr (M == Method::kGptqInt4) return {ws, _mm256_mul_ps(ws, second)};  // second = -zero
+    return {ws, second};
+  }
+}
 
 template <Method M, int kGroup, int kRows>
 inline void gemm_quant_tile(int64_t K, const QuantRows& a, int i0, const uint8_t* panel, float* c,
@@ -39,7 +57,7 @@ inline void gemm_quant_tile(int64_t K, const QuantRows& a, int i0, const uint8_t
     auto load = [&](int64_t offset) __attribute__((always_inline)) {
       return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + offset));
     };
-    if constexpr (M == Method::kInt8) {
+    if constexpr (!kNibbles<M>) {
       const __m256i bias = _mm256_set1_epi8(static_cast<char>(0x80));
       for (int ch = 0; ch < kGroup; ch += kChunkBytes) {  // a group of 128 spans two 64-byte chunks
         const int32_t* x[kRows];
@@ -74,16 +92,12 @@ inline void gemm_quant_tile(int64_t K, const QuantRows& a, int i0, const uint8_t
         }
     }
     for (int h = 0; h < 2; ++h) {
-      const __m256 ws =
-          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + wbytes + 16 * h)));
+      const auto [ws, wm] = group_scales<M>(w + wbytes, h);
       for (int i = 0; i < kRows; ++i) {
         float* out = c + (i0 + i) * ldc + 8 * h;
         __m256 sum = gi == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(out);
-        if constexpr (M == Method::kInt4) {
-          const __m256 wm =
-              _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + wbytes + 32 + 16 * h)));
+        if constexpr (kNibbles<M>)  // INT8's dot product is over q itself: no offset term
           sum = _mm256_fmadd_ps(wm, _mm256_set1_ps(a.scaled_sum[i0 + i][gi]), sum);
-        }
         _mm256_storeu_ps(out, _mm256_fmadd_ps(_mm256_cvtepi32_ps(d[i][h]),
                                               _mm256_mul_ps(ws, _mm256_set1_ps(a.scale[i0 + i][gi])), sum));
       }
@@ -94,7 +108,7 @@ inline void gemm_quant_tile(int64_t K, const QuantRows& a, int i0, const uint8_t
 template <Method M>
 void gemm_quant(int m, int64_t K, int group, const QuantRows& a, const uint8_t* panels, int npanels, float* c,
                 int64_t ldc) {
-  static_assert(kIntegerMethod<M>, "the integer GEMM decodes AMXINT8 and AMXINT4 weights only");
+  static_assert(kIntegerMethod<M>, "the integer GEMM decodes the integer methods' weights only");
   const int64_t stride = panel_bytes(M, group, K);
   with_group(group, [&](auto group_size) {
     for_each_tile<kTileRows, 1>(m, npanels, [&](auto rows, auto, int i0, int p) {

@@ -74,7 +74,7 @@ inline void gemm_a16_tile(int64_t K, const Int16Rows& a, int i0, const uint8_t* 
             d[i][h], _mm256_madd_epi16(wv, _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(x[i] + k))));
     };
     for (int h = 0; h < 2; ++h) {
-      if constexpr (M == Method::kInt8) {
+      if constexpr (!kNibbles<M>) {
         for (int r = 0; r < kGroup / 4; ++r) {
           const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * 64 + 32 * h));
           dot(h, _mm256_and_si256(v, low_byte), 4 * r);  // bytes 0, 2
@@ -93,12 +93,7 @@ inline void gemm_a16_tile(int64_t K, const Int16Rows& a, int i0, const uint8_t* 
       }
     }
     for (int h = 0; h < 2; ++h) {
-      const __m256 ws =
-          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + wbytes + 16 * h)));
-      const __m256 wm =
-          M == Method::kInt8
-              ? _mm256_mul_ps(ws, _mm256_set1_ps(-128.0f))
-              : _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + wbytes + 32 + 16 * h)));
+      const auto [ws, wm] = group_scales<M>(w + wbytes, h);
       for (int i = 0; i < kRows; ++i) {
         const int64_t s = (i0 + i) * groups + gi;
         float* out = c + (i0 + i) * ldc + 8 * h;
@@ -114,7 +109,7 @@ inline void gemm_a16_tile(int64_t K, const Int16Rows& a, int i0, const uint8_t* 
 template <Method M>
 void gemm_quant_a16(int m, int64_t K, int group, const Bf16Rows& a, const uint8_t* panels, int npanels,
                     float* c, int64_t ldc) {
-  static_assert(kIntegerMethod<M>, "the integer GEMM decodes AMXINT8 and AMXINT4 weights only");
+  static_assert(kIntegerMethod<M>, "the integer GEMM decodes the integer methods' weights only");
   thread_local Int16Rows rows;
   quantize_int16_rows(rows, a, m, K, group);
   const int64_t stride = panel_bytes(M, group, K);

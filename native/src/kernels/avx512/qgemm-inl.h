@@ -1,4 +1,4 @@
-// AVX-512 VNNI quantized GEMM (INT8 and INT4): vpdpbusd of packed u8 weights with broadcast s8
+// AVX-512 VNNI quantized GEMM (the integer methods): vpdpbusd of packed u8 weights with broadcast s8
 // activations and the group epilogue of ../epilogue.h. Decode: up to 4 rows of A per pass over one
 // panel; prefill: tiles of rows x panels (row_blocks-inl.h).
 #pragma once
@@ -16,9 +16,19 @@ namespace kt::kernels::avx512 {
 // The 16 channels' scale ws and offset wm of one group (../epilogue.h), from its scale block.
 template <Method M>
 inline std::pair<__m512, __m512> group_scales(const uint8_t* block) {
-  const __m512 ws = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block)));
-  if constexpr (M == Method::kInt8) return {ws, _mm512_mul_ps(ws, _mm512_set1_ps(-128.0f))};
-  return {ws, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32)))};
+  auto load16 = [&](int offset) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + offset));
+  };
+  if constexpr (M == Method::kRawInt4) {  // bf16 scales, symmetric around weight_zero
+    const __m512 ws = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(load16(0)), 16));
+    return {ws, _mm512_mul_ps(ws, _mm512_set1_ps(-float{method_traits(M).weight_zero}))};
+  } else {
+    const __m512 ws = _mm512_cvtph_ps(load16(0));
+    if constexpr (M == Method::kInt8) return {ws, _mm512_mul_ps(ws, _mm512_set1_ps(-128.0f))};
+    const __m512 second = _mm512_cvtph_ps(load16(32));
+    if constexpr (M == Method::kGptqInt4) return {ws, _mm512_mul_ps(ws, second)};  // second = -zero
+    return {ws, second};
+  }
 }
 
 // kRows rows of one panel per pass (decode).
@@ -40,7 +50,7 @@ inline void gemm_quant_rows(int64_t K, const QuantRows& a, int i0, const uint8_t
     __m512i d[kRows][kChains];
     for (int i = 0; i < kRows; ++i)
       for (int u = 0; u < kChains; ++u) d[i][u] = _mm512_setzero_si512();
-    if constexpr (M == Method::kInt8) {
+    if constexpr (!kNibbles<M>) {
       // A group of 32 is half a chunk, one of 128 two chunks.
       for (int c = 0; c < kGroup; c += kChunkBytes) {
         constexpr int quads = std::min<int>(kChunkBytes, kGroup) / 4;
@@ -112,7 +122,7 @@ __attribute__((noinline)) void gemm_quant_tile(int64_t K, const QuantRows& a, in
       }
     };
     const int32_t* x[kRows];
-    if constexpr (M == Method::kInt8) {
+    if constexpr (!kNibbles<M>) {
       for (int ch = 0; ch < kGroup; ch += kChunkBytes) {  // a group of 128 spans two 64-byte chunks
         for (int i = 0; i < kRows; ++i) x[i] = reinterpret_cast<const int32_t*>(quant_at(a, i0 + i, k0 + ch));
         const int quads = std::min<int>(kChunkBytes, kGroup) / 4;
@@ -159,7 +169,7 @@ inline constexpr int kMaxRowBlockRows = 8;
 template <Method M>
 void gemm_quant(int m, int64_t K, int group, const QuantRows& a, const uint8_t* panels, int npanels, float* c,
                 int64_t ldc) {
-  static_assert(kIntegerMethod<M>, "the integer GEMM decodes AMXINT8 and AMXINT4 weights only");
+  static_assert(kIntegerMethod<M>, "the integer GEMM decodes the integer methods' weights only");
   const int64_t stride = panel_bytes(M, group, K);
   with_group(group, [&](auto group_size) {
     constexpr int kGroup = decltype(group_size)::value;

@@ -86,7 +86,7 @@ inline void gemm_a16_rows(int64_t K, const Int16Rows& a, int i0, const uint8_t* 
       for (int i = 0; i < kRows; ++i) xk[i] = x[i] + k;
       return xk;
     };
-    if constexpr (M == Method::kInt8) {
+    if constexpr (!kNibbles<M>) {
       for (int r = 0; r < kGroup / 4; ++r) {
         const __m512i v = _mm512_loadu_si512(w + r * 64);
         dot(_mm512_and_si512(v, low_byte), at(4 * r), 2 * r);    // bytes 0, 2
@@ -119,7 +119,7 @@ inline void gemm_a16_rows(int64_t K, const Int16Rows& a, int i0, const uint8_t* 
 template <Method M>
 void gemm_quant_a16(int m, int64_t K, int group, const Bf16Rows& a, const uint8_t* panels, int npanels,
                     float* c, int64_t ldc) {
-  static_assert(kIntegerMethod<M>, "the integer GEMM decodes AMXINT8 and AMXINT4 weights only");
+  static_assert(kIntegerMethod<M>, "the integer GEMM decodes the integer methods' weights only");
   thread_local Int16Rows rows;
   quantize_int16_rows(rows, a, m, K, group);
   with_group(group, [&](auto group_size) {

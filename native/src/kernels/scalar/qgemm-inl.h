@@ -10,7 +10,7 @@ namespace kt::kernels::scalar {
 template <Method M>
 void gemm_quant(int m, int64_t K, int group, const QuantRows& a, const uint8_t* panels, int npanels, float* c,
                 int64_t ldc) {
-  static_assert(kIntegerMethod<M>, "the integer GEMM decodes AMXINT8 and AMXINT4 weights only");
+  static_assert(kIntegerMethod<M>, "the integer GEMM decodes the integer methods' weights only");
   const int64_t pbytes = panel_bytes(M, group, K);
   const int64_t gbytes = group_bytes(M, group);
   const int64_t wbytes = group_weight_bytes(M, group);

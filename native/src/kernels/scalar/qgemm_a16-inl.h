@@ -7,12 +7,12 @@
 
 namespace kt::kernels::scalar {
 
-// Quantized weights, bf16 activations: per group, ws * sum(h * q) (+ wm * sum(h) for INT4), with
+// Quantized weights, bf16 activations: per group, ws * sum(h * q) (+ wm * sum(h) for nibbles), with
 // INT8's q = u - 128 taken signed so that nothing cancels.
 template <Method M>
 void gemm_quant_a16(int m, int64_t K, int group, const Bf16Rows& a, const uint8_t* panels, int npanels,
                     float* c, int64_t ldc) {
-  static_assert(kIntegerMethod<M>, "the integer GEMM decodes AMXINT8 and AMXINT4 weights only");
+  static_assert(kIntegerMethod<M>, "the integer GEMM decodes the integer methods' weights only");
   const int64_t pbytes = panel_bytes(M, group, K);
   const int64_t gbytes = group_bytes(M, group);
   const int64_t wbytes = group_weight_bytes(M, group);
@@ -27,11 +27,11 @@ void gemm_quant_a16(int m, int64_t K, int group, const Bf16Rows& a, const uint8_
         for (int n = 0; n < kPanelWidth; ++n) {
           float d = 0.0f;
           for (int k = 0; k < group; ++k) {
-            const int q = packed_weight<M>(w, group, n, k) - (M == Method::kInt8 ? 128 : 0);
+            const int q = packed_weight<M>(w, group, n, k) - (kNibbles<M> ? 0 : 128);
             d += bf16_to_float(*bf16_at(a, i, gi * group + k)) * static_cast<float>(q);
           }
           acc[n] += GroupScales<M>::scale(w + wbytes, n) * d;
-          if constexpr (M == Method::kInt4) acc[n] += GroupScales<M>::offset(w + wbytes, n) * hsum;
+          if constexpr (kNibbles<M>) acc[n] += GroupScales<M>::offset(w + wbytes, n) * hsum;
         }
       }
       for (int n = 0; n < kPanelWidth; ++n) c[i * ldc + p * kPanelWidth + n] = acc[n];
