@@ -152,26 +152,6 @@ def test_deepseek_fp8_dense_first_layers_and_mtp(tmp_path):
         KTMoEWrapper(1, E, K, H, I, None, 2, 1, weight_path=str(broken), method="BF16").load_weights()
 
 
-@pytest.mark.parametrize("orientation", ["linear", "transposed"])
-def test_fused_experts(tmp_path, orientation):
-    """transformers v5 fuses gate and up; H != 2I so the orientation is unambiguous (a tie reads linear)."""
-    hidden = 384
-    gate, up, down = make_weights(E, I, hidden, seed=6)
-    if orientation == "linear":
-        gate_up, down_t = torch.cat([gate, up], 1), down  # [E, 2I, H], [E, H, I]
-    else:
-        gate_up, down_t = (
-            torch.cat([gate, up], 1).transpose(1, 2),
-            down.transpose(1, 2),
-        )  # [E, H, 2I], [E, I, H]
-    tensors = {
-        "model.layers.1.mlp.experts.gate_up_proj": gate_up.bfloat16(),
-        "model.layers.1.mlp.experts.down_proj": down_t.bfloat16(),
-    }
-    path = write_checkpoint(tmp_path / "fused", qwen_config(num_hidden_layers=2, hidden_size=hidden), tensors)
-    check_layer(path, 1, (gate, up, down))
-
-
 def test_sharded_with_language_model_prefix(tmp_path):
     weights = make_weights(E, I, H, seed=7)
     tensors = per_expert(QWEN, 1, weights, prefix="language_model.")

@@ -404,41 +404,37 @@ class Checkpoint:
 
     def _fused_experts(self, layer: int, ids: list[int]):
         fam, spec = self.family, self.spec
-        I, H, E = spec.intermediate_size, spec.hidden_size, spec.num_experts
+        I, H = spec.intermediate_size, spec.hidden_size
         names = {k: self._resolve(p, layer=layer) for k, p in fam.fused_experts.items()}
         if not all(names.values()):
             pattern = fam.experts.get("gate", "").format(layer=layer, expert=0)
             raise CheckpointError(
                 f"layer {layer}: no expert tensors ({pattern} or fused gate_up_proj) in {self.path}"
             )
-        gate_up = self._dense_stack(names["gate_up"])
-        down = self._dense_stack(names["down"])
-        # Both orientations exist: [E, 2I, H] (linear layout) and [E, H, 2I]; the linear one wins a tie.
-        if tuple(gate_up.shape) == (E, 2 * I, H):
-            gate, up = gate_up[:, :I], gate_up[:, I:]
-        elif tuple(gate_up.shape) == (E, H, 2 * I):
-            gate, up = gate_up[:, :, :I].transpose(1, 2), gate_up[:, :, I:].transpose(1, 2)
-        else:
-            found = list(gate_up.shape)
-            expected = f"[{E}, {2 * I}, {H}] or [{E}, {H}, {2 * I}]"
-            raise CheckpointError(f"{names['gate_up']} has shape {found}; expected {expected}")
-        if tuple(down.shape) == (E, H, I):
-            pass
-        elif tuple(down.shape) == (E, I, H):
-            down = down.transpose(1, 2)
-        else:
-            raise CheckpointError(
-                f"{names['down']} has shape {list(down.shape)}; expected [{E}, {H}, {I}] or [{E}, {I}, {H}]"
-            )
+        gate_up = self._fused_stack(names["gate_up"], "gate_up", 2 * I, H)
+        down = self._fused_stack(names["down"], "down", H, I)
+        gate, up = gate_up[:, :I], gate_up[:, I:]
         return tuple(t[ids].contiguous() for t in (gate, up, down))
 
-    def _dense_stack(self, name: str) -> torch.Tensor:
+    def _fused_stack(self, name: str, proj: str, out: int, inp: int) -> torch.Tensor:
+        """A fused expert tensor as ``[E, out, in]``, read in the orientation its family declares:
+        the shape alone cannot tell the two apart when ``hidden_size == 2 * moe_intermediate_size``."""
+        fam, E = self.family, self.spec.num_experts
         w = self.tensor(name)
         if w.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise CheckpointError(
-                f"fused expert tensor {name} has dtype {w.dtype}; expected bf16, fp16 or fp32"
+                f"fused expert tensor {self._where(name)} has dtype {w.dtype}; expected bf16, fp16 or fp32"
             )
-        return w
+        transposed = fam.fused_transposed(proj)
+        expected = [E, inp, out] if transposed else [E, out, inp]
+        if list(w.shape) != expected:
+            other = " (the other orientation)" if list(w.shape) == [E, *expected[:0:-1]] else ""
+            raise CheckpointError(
+                f"fused expert tensor {self._where(name)} has shape {list(w.shape)}{other}; expected "
+                f"{expected} ({fam.fused_layout[proj]}: the layout configs/models/{fam.family}.json "
+                f"declares for model_type {self.config.get('model_type')!r}; E, H, I from config.json)"
+            )
+        return w.transpose(1, 2) if transposed else w
 
 
 def is_float8(dtype: torch.dtype) -> bool:

@@ -7,6 +7,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+# The orientations a fused expert tensor is stored in (E experts, H hidden size, I intermediate size):
+# first [out, in] per expert as nn.Linear keeps it (used as x @ w^T), then transposed (used as x @ w).
+FUSED_LAYOUTS = {"gate_up": ("[E, 2I, H]", "[E, H, 2I]"), "down": ("[E, H, I]", "[E, I, H]")}
+
 
 @dataclass(frozen=True)
 class ModelFamily:
@@ -16,6 +20,10 @@ class ModelFamily:
     moe_layers: dict[str, str]  # rule -> config key
     experts: dict[str, str]  # gate / up / down -> name pattern with {layer} and {expert}
     fused_experts: dict[str, str]  # gate_up / down -> name pattern with {layer}
+    fused_layout: dict[str, str]  # gate_up / down -> one of FUSED_LAYOUTS: shapes cannot tell when H == 2I
+
+    def fused_transposed(self, proj: str) -> bool:
+        return self.fused_layout[proj] == FUSED_LAYOUTS[proj][1]
 
     def config_value(self, config: dict, name: str):
         for key in self.config[name]:
@@ -48,6 +56,13 @@ def load_families() -> tuple[ModelFamily, ...]:
     families = []
     for path in sorted(_configs_dir().glob("*.json")):
         data = json.loads(path.read_text())
+        fused, layout = dict(data.get("fused_experts", {})), dict(data.get("fused_layout", {}))
+        if set(layout) != set(fused) or any(layout[k] not in FUSED_LAYOUTS.get(k, ()) for k in layout):
+            allowed = "; ".join(f"{k}: {' or '.join(v)}" for k, v in FUSED_LAYOUTS.items())
+            raise RuntimeError(
+                f"{path}: fused_layout must name the layout of each fused_experts tensor ({allowed}); "
+                f"found {layout}"
+            )
         families.append(
             ModelFamily(
                 family=data["family"],
@@ -55,7 +70,8 @@ def load_families() -> tuple[ModelFamily, ...]:
                 config={k: tuple(v) for k, v in data["config"].items()},
                 moe_layers=dict(data.get("moe_layers", {})),
                 experts=dict(data["experts"]),
-                fused_experts=dict(data.get("fused_experts", {})),
+                fused_experts=fused,
+                fused_layout=layout,
             )
         )
     if not families:
