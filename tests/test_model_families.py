@@ -33,12 +33,34 @@ def tiny_model(model_type: str, hidden: int, inter: int, layers: int, **text) ->
         model = transformers.Qwen3MoeForCausalLM(
             transformers.Qwen3MoeConfig(num_experts=E, num_experts_per_tok=K, **text)
         )
-    else:
+    elif model_type == "qwen3_vl_moe":
         config = transformers.Qwen3VLMoeConfig(
             text_config=dict(num_experts=E, num_experts_per_tok=K, **text),
             vision_config=dict(VISION, out_hidden_size=hidden, deepstack_visual_indexes=[0]),
         )
         model = transformers.Qwen3VLMoeForConditionalGeneration(config)
+    elif model_type == "qwen3_5_moe":
+        linear_attention = dict(
+            linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=16
+        )
+        config = transformers.Qwen3_5MoeConfig(
+            text_config=dict(
+                num_experts=E,
+                num_experts_per_tok=K,
+                shared_expert_intermediate_size=32,
+                **linear_attention,
+                **text,
+            ),
+            vision_config=dict(VISION, out_hidden_size=hidden),
+        )
+        model = transformers.Qwen3_5MoeForConditionalGeneration(config)
+    else:
+        text.pop("head_dim")
+        config = transformers.Glm4vMoeConfig(
+            text_config=dict(n_routed_experts=E, num_experts_per_tok=K, n_shared_experts=1, **text),
+            vision_config=dict(VISION, out_hidden_size=hidden),
+        )
+        model = transformers.Glm4vMoeForConditionalGeneration(config)
     return model.to(torch.bfloat16).eval()
 
 
@@ -134,6 +156,36 @@ def test_qwen3_vl_moe(tmp_path):
         decoder_layers(loaded)[3].mlp.experts.gate_up_proj, decoder_layers(model)[3].mlp.experts.gate_up_proj
     )
     check_family(hub, model)
+
+
+def test_qwen3_5_moe(tmp_path):
+    """save_pretrained writes per-expert names; the hub ships fused [E, 2I, H] / [E, H, I], which
+    transformers reads as they are."""
+    model = tiny_model("qwen3_5_moe", 128, 96, 2)
+    model.save_pretrained(tmp_path / "saved")
+    names = stored(tmp_path / "saved")
+    assert names["model.language_model.layers.1.mlp.experts.7.up_proj.weight"] == ([96, 128], "BF16")
+    assert not any(n.endswith("gate_up_proj") for n in names)
+    check_family(tmp_path / "saved", model)
+
+    hub = rewrite(tmp_path / "saved", tmp_path / "hub", model.state_dict())
+    gate_up = "model.language_model.layers.1.mlp.experts.gate_up_proj"
+    assert stored(hub)[gate_up] == ([E, 192, 128], "BF16")
+    loaded = transformers.Qwen3_5MoeForConditionalGeneration.from_pretrained(hub, dtype=torch.bfloat16)
+    assert torch.equal(
+        decoder_layers(loaded)[1].mlp.experts.down_proj, decoder_layers(model)[1].mlp.experts.down_proj
+    )
+    check_family(hub, model)
+
+
+def test_glm4v_moe(tmp_path):
+    """Per-expert names under model.language_model; the first_k_dense_replace layers are dense."""
+    model = tiny_model("glm4v_moe", 128, 96, 3, first_k_dense_replace=1)
+    model.save_pretrained(tmp_path / "saved")
+    names = stored(tmp_path / "saved")
+    assert names["model.language_model.layers.2.mlp.experts.7.gate_proj.weight"] == ([96, 128], "BF16")
+    assert "model.language_model.layers.0.mlp.gate_proj.weight" in names  # the dense layer
+    check_family(tmp_path / "saved", model)
 
 
 FUSED = {
