@@ -175,7 +175,7 @@ def _launch_error(args: list[str]) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--kt-method", "RAWINT4"], "method 'RAWINT4' is not supported yet"),
+        (["--kt-method", "LLAMAFILE"], "method 'LLAMAFILE' is not supported yet"),
         (["--kt-method", "INT3"], "unknown method 'INT3'"),
         (["--kt-num-gpu-experts", "9"], "--kt-num-gpu-experts 9 is more than the model's 8 experts"),
         (["--kt-max-deferred-experts-per-token", "2"], "use 0..1"),

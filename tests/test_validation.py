@@ -11,7 +11,7 @@ import torch
 from conftest import make_hidden, make_routing, make_weights
 
 from kt_sglang import KTMoEWrapper
-from kt_sglang.engine.methods import METHODS
+from kt_sglang.engine.methods import METHODS, parse_method
 from kt_sglang.engine.pools import physical_cores
 
 E, K, H, I = 8, 2, 256, 192
@@ -57,7 +57,7 @@ def layer():
             "at least one thread per pool",
         ),
         (dict(numa_nodes=[7]), "numa_nodes names node 7"),
-        (dict(method="RAWINT4"), "'RAWINT4' is not supported yet"),
+        (dict(method="LLAMAFILE"), "'LLAMAFILE' is not supported yet"),
         (dict(method="FP8", group_size=64), "group_size=64 is not allowed for FP8: use one of \\[128\\]"),
         (dict(method="INT3"), "unknown method 'INT3'"),
         (dict(group_size=48), "group_size=48 is not allowed for AMXINT8"),
@@ -249,7 +249,7 @@ def test_engine_names_the_token_of_a_later_chunk():
         layer._runner.wait(task)
 
 
-@pytest.mark.parametrize("method", [m.value for m in METHODS])
+@pytest.mark.parametrize("method", [m.value for m in METHODS if METHODS[m].quantizes_dense])
 @pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")], ids=["inf", "-inf", "nan"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_non_finite_weights_are_refused_by_position(method, bad, dtype):
@@ -263,15 +263,20 @@ def test_non_finite_weights_are_refused_by_position(method, bad, dtype):
         layer.load_weights_from_tensors(gate, up, down)
 
 
-@pytest.mark.parametrize("method", [m.value for m in METHODS if METHODS[m].quantizes_dense])
+@pytest.mark.parametrize("method", [m.value for m in METHODS])
 def test_non_finite_canonical_tensors_are_refused_by_position(method):
-    """Already-quantized matrices (a converted directory, an FP8 checkpoint): scales, mins and bf16
-    weights must be finite, e4m3 weights not NaN."""
-    from kt_sglang.engine.canonical import quantize
+    """Already-quantized matrices (a converted directory, an FP8 or INT4 checkpoint): scales, mins
+    and bf16 weights must be finite, e4m3 weights not NaN."""
+    from kt_sglang.engine.canonical import quantize, random_canonical
+
+    def make(n, m):
+        if METHODS[parse_method(method)].quantizes_dense:
+            return quantize(method, torch.randn(n, m))
+        return random_canonical(method, n, m)
 
     E, k, H, I = 2, 1, 256, 128
     mats = {
-        p: [quantize(method, torch.randn(n, m)) for _ in range(E)]
+        p: [make(n, m) for _ in range(E)]
         for p, (n, m) in (("gate", (I, H)), ("up", (I, H)), ("down", (H, I)))
     }
     bad = mats["down"][1]
@@ -279,8 +284,8 @@ def test_non_finite_canonical_tensors_are_refused_by_position(method):
         bad.weight.view(torch.uint8)[3, 5] = 0x7F  # e4m3fn's NaN
         match = "expert 1 down: weight at row 3, column 5 is NaN"
     elif bad.scales is not None:
-        bad.scales[3, 1] = float("inf")
-        match = "expert 1 down: scales at row 3, column 1 is infinite"
+        bad.scales[3, 0] = float("inf")
+        match = "expert 1 down: scales at row 3, column 0 is infinite"
     else:
         bad.weight[3, 5] = float("inf")
         match = "expert 1 down: weight at row 3, column 5 is infinite"

@@ -13,6 +13,7 @@ import torch
 
 def run_check_engine(threads: int | None = None) -> int:
     from kt_sglang.engine import KTMoEWrapper
+    from kt_sglang.engine.canonical import random_experts
     from kt_sglang.engine.methods import METHODS
     from kt_sglang.engine.native import _native
     from kt_sglang.engine.pools import physical_cores
@@ -33,7 +34,12 @@ def run_check_engine(threads: int | None = None) -> int:
     for method, info in METHODS.items():
         bound = info.error_bound
         layer = KTMoEWrapper(0, E, k, H, I, None, threads, 1, method=method)
-        layer.load_weights_from_tensors(gate.bfloat16(), up.bfloat16(), down.bfloat16())
+        ref_weights = (gate, up, down)
+        if info.quantizes_dense:
+            layer.load_weights_from_tensors(gate.bfloat16(), up.bfloat16(), down.bfloat16())
+        else:  # checkpoint values, against float32 on the same values
+            mats, ref_weights = random_experts(method, E, I, H)
+            layer.load_canonical(*mats)
         for T in (1, 256):
             x = torch.randn(T, H, generator=gen).bfloat16()
             ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
@@ -42,7 +48,7 @@ def run_check_engine(threads: int | None = None) -> int:
             t = time.perf_counter()
             out = layer.forward(x, ids, w)
             dt = time.perf_counter() - t
-            err = relative_error(out, moe_reference(x, gate, up, down, ids, w))
+            err = relative_error(out, moe_reference(x, *ref_weights, ids, w))
             ok &= err <= bound
             print(
                 f"  {method.value:14s} T={T:4d}: {dt * 1e3:7.2f} ms  "

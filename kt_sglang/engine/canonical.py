@@ -122,6 +122,25 @@ def random_canonical(
     return CanonicalMatrix(**out)
 
 
+def random_experts(
+    method: str | Method, E: int, I: int, H: int, group_size: int | None = None, seed: int = 0
+) -> tuple[
+    tuple[list[CanonicalMatrix], list[CanonicalMatrix], list[CanonicalMatrix]], tuple[torch.Tensor, ...]
+]:
+    """A layer of random experts in a method's canonical tensors (``random_canonical``): the gate,
+    up and down matrices to ``load_canonical``, and their float32 values ``[E, I, H]``, ``[E, I, H]``,
+    ``[E, H, I]`` for a reference."""
+    mats = tuple(
+        [random_canonical(method, N, K, group_size, seed=seed * 3 * E + 3 * e + p) for e in range(E)]
+        for p, (N, K) in enumerate(((I, H), (I, H), (H, I)))
+    )
+    dense = tuple(
+        torch.stack([dequantize(method, m, K, group_size) for m in proj])
+        for proj, K in zip(mats, (H, H, I), strict=True)
+    )
+    return mats, dense
+
+
 def check_matrix(
     m: CanonicalMatrix, method: Method, group: int, N: int, K: int, what: str
 ) -> tuple[int, int, int]:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from kt_sglang.engine.canonical import CanonicalMatrix, check_matrix
-from kt_sglang.engine.methods import parse_method, resolve_group
+from kt_sglang.engine.methods import METHODS, parse_method, resolve_group
 from kt_sglang.engine.native import NATIVE_DTYPES, _native
 from kt_sglang.engine.pools import SharedRunner, plan_pools, selected_isa
 
@@ -162,6 +162,14 @@ class KTMoEWrapper:
         contiguous, on the CPU. Slot e takes source expert ``physical_to_logical_map[e]``.
         """
         E, I, H = self.num_experts, self.moe_intermediate_size, self.hidden_size
+        info = METHODS[self.method]
+        if not info.quantizes_dense:
+            raise ValueError(
+                f"{self.method.value} takes its experts' values from {info.checkpoint_format} "
+                "checkpoints as they are (weight_path, or load_canonical), not from dense tensors; "
+                "the engine quantizes dense weights to "
+                + ", ".join(m.value for m, i in METHODS.items() if i.quantizes_dense)
+            )
         tensors = {"gate_proj": gate_proj, "up_proj": up_proj, "down_proj": down_proj}
         dtype = gate_proj.dtype if isinstance(gate_proj, torch.Tensor) else None
         for name, t in tensors.items():
@@ -253,8 +261,7 @@ class KTMoEWrapper:
             )
 
     def _load_hf_checkpoint(self, physical_to_logical_map) -> None:
-        from kt_sglang.engine.methods import METHODS
-        from kt_sglang.weights.checkpoint import is_float8, open_checkpoint
+        from kt_sglang.weights.checkpoint import open_checkpoint
 
         ckpt = open_checkpoint(self.weight_path)
         spec = ckpt.spec
@@ -265,14 +272,14 @@ class KTMoEWrapper:
         slots = self._slot_map(physical_to_logical_map, spec.num_experts) or list(range(self.num_experts))
         needed = sorted(set(slots))
         position = {e: i for i, e in enumerate(needed)}
-        # A method storing e4m3 weights takes an FP8 checkpoint's values as they are (no requantization);
-        # from bf16/fp16/fp32 the engine quantizes, like every other method.
-        if (
-            METHODS[self.method].tensors[0].dtype == torch.float8_e4m3fn
-            and self.layer_idx in spec.moe_layers
-            and is_float8(ckpt.expert_dtype(self.layer_idx))
+        # A method that reads the checkpoint's format takes its values as they are (no requantization);
+        # from any other format the engine quantizes the dense (or dequantized) weights, if it can.
+        info = METHODS[self.method]
+        in_layer = self.layer_idx in spec.moe_layers
+        if in_layer and (
+            not info.quantizes_dense or ckpt.expert_format(self.layer_idx) == info.checkpoint_format
         ):
-            mats = ckpt.layer_fp8_experts(self.layer_idx, needed, self.method)
+            mats = ckpt.layer_native_experts(self.layer_idx, needed, self.method)
             self.load_canonical(*([m[position[e]] for e in slots] for m in mats))
             return
         gate, up, down = ckpt.layer_experts(self.layer_idx, needed)
@@ -586,13 +593,22 @@ class KTMoEWrapper:
 
 
 def _recorded_group(weight_path: str, method) -> int | None:
-    """The group a converted directory was written with (None: not one, or for another method)."""
-    from kt_sglang.weights.canonical_files import Manifest, is_canonical_dir
+    """The group a converted directory was written with, or an INT4 checkpoint's config states for
+    the method that reads it as is (None: neither)."""
+    from pathlib import Path
 
-    if not is_canonical_dir(weight_path):
+    from kt_sglang.weights.canonical_files import Manifest, is_canonical_dir
+    from kt_sglang.weights.checkpoint import open_checkpoint
+
+    if is_canonical_dir(weight_path):
+        manifest = Manifest.read(weight_path)
+        return manifest.group_size if manifest.method == method.value else None
+    fmt = METHODS[method].checkpoint_format
+    if fmt in (None, "fp8") or not (Path(weight_path) / "config.json").is_file():
         return None
-    manifest = Manifest.read(weight_path)
-    return manifest.group_size if manifest.method == method.value else None
+    ckpt = open_checkpoint(weight_path)
+    layers = [layer for layer in ckpt.spec.moe_layers if ckpt.expert_format(layer) == fmt]
+    return ckpt.int4_group(layers[0], method) if layers else None
 
 
 # At interpreter exit, pending tasks finish before modules (and the buffers they read) go away.

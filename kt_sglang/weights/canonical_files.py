@@ -2,7 +2,7 @@
 
 A directory with ``kt_weights.json`` (the manifest) and the experts in one of two layouts:
 
-- per layer: ``layer-{L:05d}.safetensors`` holding ``experts.{e}.{gate,up,down}.{weight,scales,mins}``
+- per layer: ``layer-{L:05d}.safetensors`` holding ``experts.{e}.{gate,up,down}.{weight,scales,mins|zeros}``
   (what the converter writes layer by layer, and keeps with ``--no-merge-safetensor``);
 - merged: shards ``experts-{i:05d}-of-{n:05d}.safetensors`` of whole layers, tensors named
   ``layers.{L}.experts.{e}...``, and ``model.safetensors.index.json`` mapping each tensor to its
@@ -168,7 +168,7 @@ def write_layer(
     for e, mats in enumerate(experts):
         for proj in PROJECTIONS:
             m = mats[proj]
-            for part in ("weight", "scales", "mins"):
+            for part in ("weight", "scales", "mins", "zeros"):
                 t = getattr(m, part)
                 if t is not None:
                     tensors[f"experts.{e}.{proj}.{part}"] = t.contiguous()
@@ -345,7 +345,7 @@ def read_layer(
                         found = f"{t.dtype} {list(t.shape)}"
                         raise ValueError(f"{path.name}: {name} is {found}; expected {dtype} {list(shape)}")
                     parts[part] = t
-                out[proj].append(CanonicalMatrix(parts["weight"], parts.get("scales"), parts.get("mins")))
+                out[proj].append(CanonicalMatrix(**parts))
     return out
 
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors import safe_open
 
+from kt_sglang.weights import int4_checkpoint
 from kt_sglang.weights.families import ModelFamily, family_for
 
 # The format name in the manifest, shards and index that `kt-sglang convert-cpu` writes (canonical_files).
@@ -246,7 +247,7 @@ class Checkpoint:
             )
         ids = list(range(spec.num_experts)) if experts is None else list(experts)
         I, H = spec.intermediate_size, spec.hidden_size
-        if fam.experts and self._resolve(fam.experts["gate"], layer=layer, expert=ids[0] if ids else 0):
+        if self._per_expert(layer, ids[0] if ids else 0):
             parts = [
                 self._expert_stack(fam.experts[proj], layer, ids, shape)
                 for proj, shape in (("gate", (I, H)), ("up", (I, H)), ("down", (H, I)))
@@ -260,7 +261,7 @@ class Checkpoint:
         which never holds a whole layer of per-expert checkpoints in memory."""
         spec, fam = self.spec, self.family
         I, H = spec.intermediate_size, spec.hidden_size
-        if not (fam.experts and self._resolve(fam.experts["gate"], layer=layer, expert=0)):
+        if not self._per_expert(layer):
             gate, up, down = self.layer_experts(layer)  # fused: the layer is one tensor anyway
             yield from zip(gate, up, down, strict=True)
             return
@@ -272,10 +273,27 @@ class Checkpoint:
                 for proj, shape in (("gate", (I, H)), ("up", (I, H)), ("down", (H, I)))
             )
 
+    def _per_expert(self, layer: int, expert: int = 0) -> bool:
+        """Whether the layer's experts are stored one tensor (or one INT4 set) per expert."""
+        gate = self.family.experts.get("gate")
+        if not gate:
+            return False
+        return bool(
+            self._resolve(gate, layer=layer, expert=expert)
+            or int4_checkpoint.base_name(self, gate, layer=layer, expert=expert)
+        )
+
     def _expert_stack(self, pattern: str, layer: int, ids: list[int], shape: tuple[int, int]) -> torch.Tensor:
         mats = []
         for e in ids:
             name = self._resolve(pattern, layer=layer, expert=e)
+            base = None if name else int4_checkpoint.base_name(self, pattern, layer=layer, expert=e)
+            if base is not None:  # an INT4 checkpoint read by a method that quantizes: its values in fp32
+                fmt = int4_checkpoint.detect_format(self, base + ".weight")
+                scheme = int4_checkpoint.read_scheme(self, fmt, base)
+                matrix = int4_checkpoint.read_matrix(self, base, scheme, shape)
+                mats.append(int4_checkpoint.dequantize(matrix, scheme, shape[1]))
+                continue
             if name is None:
                 missing = pattern.format(layer=layer, expert=e)
                 raise CheckpointError(f"expert tensor {missing} is missing from {self.path}")
@@ -360,7 +378,7 @@ class Checkpoint:
             raise CheckpointError(
                 f"layer {layer} is not an MoE layer of {self.path.name} (MoE layers: {list(spec.moe_layers)})"
             )
-        if not (fam.experts and self._resolve(fam.experts["gate"], layer=layer, expert=0)):
+        if not self._per_expert(layer):
             raise CheckpointError(
                 f"layer {layer}: {method.value} reads per-expert FP8 tensors "
                 f"({fam.experts.get('gate', '').format(layer=layer, expert=0)} and its scales); "
@@ -394,13 +412,101 @@ class Checkpoint:
         return sorted(name for name in self._files if ".experts." in name)
 
     def expert_dtype(self, layer: int) -> torch.dtype:
-        """The stored dtype of the layer's expert weights (before any dequantization)."""
+        """The stored dtype of the layer's expert weights (before any dequantization; int32 for the
+        packed INT4 formats)."""
         fam = self.family
         name = self._resolve(fam.experts["gate"], layer=layer, expert=0) if fam.experts else None
+        if name is None and fam.experts:
+            base = int4_checkpoint.base_name(self, fam.experts["gate"], layer=layer, expert=0)
+            fmt = base and int4_checkpoint.detect_format(self, base + ".weight")
+            name = fmt and f"{base}.{int4_checkpoint.packed_suffix(fmt)}"
         name = name or self._resolve(fam.fused_experts.get("gate_up", ""), layer=layer)
         if name is None:
             raise CheckpointError(f"layer {layer}: no expert tensors in {self.path}")
         return self.tensor(name).dtype  # memory-mapped: reading one tensor's dtype is cheap
+
+    def expert_format(self, layer: int) -> str:
+        """How the layer's experts are stored: "dense" (bf16/fp16/fp32), "fp8", or an INT4 format
+        ("pack-quantized", "gptq"), as MethodInfo.checkpoint_format names them."""
+        fam = self.family
+        base = fam.experts and int4_checkpoint.base_name(self, fam.experts["gate"], layer=layer, expert=0)
+        if base:
+            return int4_checkpoint.detect_format(self, base + ".weight")
+        return "fp8" if is_float8(self.expert_dtype(layer)) else "dense"
+
+    def layer_native_experts(
+        self, layer: int, experts: list[int], method: Method
+    ) -> tuple[list[CanonicalMatrix], list[CanonicalMatrix], list[CanonicalMatrix]]:
+        """gate, up, down canonical matrices of the given experts for a method that takes this
+        checkpoint's values as they are (``MethodInfo.checkpoint_format``)."""
+        if self._checkpoint_format(method) == "fp8":
+            return self.layer_fp8_experts(layer, experts, method)
+        read = self._int4_reader(layer, method)
+        gate, up, down = [], [], []
+        for e in experts:
+            for out, m in zip((gate, up, down), read(e), strict=True):
+                out.append(m)
+        return gate, up, down
+
+    def iter_native_experts(self, layer: int, method: Method):
+        """Yields (gate, up, down) canonical matrices expert by expert (the converter's stream)."""
+        if self._checkpoint_format(method) == "fp8":
+            yield from self.iter_fp8_experts(layer, method)
+            return
+        read = self._int4_reader(layer, method)
+        for e in range(self.spec.num_experts):
+            yield read(e)
+
+    def _checkpoint_format(self, method: Method) -> str:
+        from kt_sglang.engine.methods import METHODS
+
+        fmt = METHODS[method].checkpoint_format
+        if fmt is None:
+            raise ValueError(f"{method.value} quantizes dense weights; it reads no checkpoint format as is")
+        return fmt
+
+    def _int4_reader(self, layer: int, method: Method):
+        """A function expert -> (gate, up, down) canonical matrices of an INT4 checkpoint's layer,
+        after checking the layer, the format and the config's scheme once."""
+        from kt_sglang.engine.methods import METHODS
+
+        fmt = self._checkpoint_format(method)
+        spec, fam = self.spec, self.family
+        if layer not in spec.moe_layers:
+            raise CheckpointError(
+                f"layer {layer} is not an MoE layer of {self.path.name} (MoE layers: {list(spec.moe_layers)})"
+            )
+        found = self.expert_format(layer) if self._per_expert(layer) else "fused dense"
+        if found != fmt:
+            fits = [m.value for m, i in METHODS.items() if i.checkpoint_format == found]
+            raise CheckpointError(
+                f"layer {layer} of {self.path}: {method.value} reads {fmt} experts, and these are "
+                f"{found}; use {' or '.join(fits) or 'a method that quantizes (AMXINT8, AMXINT4, ...)'}"
+            )
+        I, H = spec.intermediate_size, spec.hidden_size
+        shapes = {"gate": (I, H), "up": (I, H), "down": (H, I)}
+        first = int4_checkpoint.base_name(self, fam.experts["gate"], layer=layer, expert=0)
+        scheme = int4_checkpoint.read_scheme(self, fmt, first)
+
+        def read(e: int):
+            mats = []
+            for proj, shape in shapes.items():
+                base = int4_checkpoint.base_name(self, fam.experts[proj], layer=layer, expert=e)
+                if base is None:
+                    missing = fam.experts[proj].format(layer=layer, expert=e)
+                    raise CheckpointError(f"expert tensors of {missing} are missing from {self.path}")
+                mats.append(int4_checkpoint.read_matrix(self, base, scheme, shape))
+            return tuple(mats)
+
+        return read
+
+    def int4_group(self, layer: int, method: Method) -> int:
+        """The group size of an INT4 checkpoint's experts, as its config states it."""
+        fmt = self._checkpoint_format(method)
+        first = int4_checkpoint.base_name(self, self.family.experts.get("gate", ""), layer=layer, expert=0)
+        if first is None:
+            raise CheckpointError(f"layer {layer} of {self.path} has no {fmt} experts")
+        return int4_checkpoint.read_scheme(self, fmt, first).group
 
     def _fused_experts(self, layer: int, ids: list[int]):
         fam, spec = self.family, self.spec

@@ -38,9 +38,13 @@ from kt_sglang.weights.canonical_files import (
     sha256_text,
     write_layer,
 )
-from kt_sglang.weights.checkpoint import Checkpoint, CheckpointError, is_float8
+from kt_sglang.weights.checkpoint import Checkpoint, CheckpointError
 
-INPUT_TYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.float8_e4m3fn}
+# --input-type: the experts' stored form. "int4" is either INT4 format (compressed-tensors
+# pack-quantized, GPTQ), told apart by the tensors' names.
+INPUT_TYPES = ("bf16", "fp16", "fp8", "int4")
+_DENSE_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+_FORMAT_TYPES = {"fp8": "fp8", "pack-quantized": "int4", "gptq": "int4"}
 
 
 def _method_arg(name: str) -> Method:
@@ -56,8 +60,8 @@ def build_parser(prog: str = "kt-sglang convert-cpu") -> argparse.ArgumentParser
     p.add_argument(
         "--input-type",
         default=None,
-        choices=sorted(INPUT_TYPES),
-        help="dtype of the expert tensors (default: what the checkpoint holds; given, it is checked)",
+        choices=INPUT_TYPES,
+        help="form of the expert tensors (default: what the checkpoint holds; given, it is checked)",
     )
     p.add_argument("--output", required=True, help="output directory (canonical format)")
     p.add_argument(
@@ -154,28 +158,36 @@ def convert(args: argparse.Namespace) -> Path:
     ckpt = Checkpoint(args.input_path)
     spec = ckpt.spec
     method = args.quant_method
-    group = resolve_group(method, args.group_size)
     first = spec.moe_layers[0] if spec.moe_layers else None
     if first is None:
         raise CheckpointError(f"{args.input_path} has no MoE layers")
-    found = ckpt.expert_dtype(first)
-    if args.input_type is None:
-        names = {dtype: name for name, dtype in INPUT_TYPES.items()}
-        if found not in names:
-            raise CheckpointError(
-                f"{args.input_path}: experts are {dtype_name(found)}, not bf16, fp16 or fp8"
-            )
-        args.input_type = names[found]
-    if found != INPUT_TYPES[args.input_type]:
+    fmt = ckpt.expert_format(first)
+    found = _FORMAT_TYPES.get(fmt) or _DENSE_TYPES.get(ckpt.expert_dtype(first))
+    if found is None:
         raise CheckpointError(
-            f"--input-type {args.input_type} does not match the checkpoint: "
-            f"its experts are {dtype_name(found)}"
+            f"{args.input_path}: experts are {dtype_name(ckpt.expert_dtype(first))}, "
+            f"not {', '.join(INPUT_TYPES)}"
         )
-    # A method storing e4m3 weights keeps an FP8 checkpoint's values as they are: the output is a
+    if args.input_type is not None and args.input_type != found:
+        raise CheckpointError(
+            f"--input-type {args.input_type} does not match the checkpoint: its experts are {found}"
+        )
+    args.input_type = found
+    # A method that reads the checkpoint's format keeps its values as they are: the output is a
     # cache of the checkpoint's experts in the canonical layout, not a requantization.
-    as_is = METHODS[method].tensors[0].dtype == torch.float8_e4m3fn and is_float8(found)
-    if as_is:
-        ckpt.layer_fp8_experts(first, [0], method)  # names, dtypes, scales, block size: fail before writing
+    as_is = METHODS[method].checkpoint_format == fmt
+    if as_is and fmt != "fp8" and args.group_size is None:
+        args.group_size = ckpt.int4_group(first, method)
+    group = resolve_group(method, args.group_size)
+    if as_is or not METHODS[method].quantizes_dense:
+        # names, dtypes, scales, block or group size: fail before writing
+        mats = ckpt.layer_native_experts(first, [0], method)
+        if fmt != "fp8" and ckpt.int4_group(first, method) != group:
+            raise CheckpointError(
+                f"--group-size {group} does not match the checkpoint's group size "
+                f"{ckpt.int4_group(first, method)} ({method.value} keeps the checkpoint's values)"
+            )
+        del mats
     layers = list(spec.moe_layers)
     if args.resume_layer is not None:
         if args.resume_layer > layers[-1]:
@@ -231,7 +243,7 @@ def convert(args: argparse.Namespace) -> Path:
 
             if as_is:
                 experts = []
-                for mats in ckpt.iter_fp8_experts(layer, method):
+                for mats in ckpt.iter_native_experts(layer, method):
                     experts.append(dict(zip(("gate", "up", "down"), mats, strict=True)))
                     bar.update(1)
                 written += write_layer(out, manifest, layer, experts).stat().st_size
