@@ -283,6 +283,9 @@ def test_non_finite_canonical_tensors_are_refused_by_position(method):
     if bad.weight.dtype == torch.float8_e4m3fn:
         bad.weight.view(torch.uint8)[3, 5] = 0x7F  # e4m3fn's NaN
         match = "expert 1 down: weight at row 3, column 5 is NaN"
+    elif bad.scales is not None and bad.scales.dtype == torch.float8_e8m0fnu:
+        bad.scales.view(torch.uint8)[3, 0] = 0xFF  # e8m0's NaN
+        match = "expert 1 down: scales at row 3, column 0 is NaN"
     elif bad.scales is not None:
         bad.scales[3, 0] = float("inf")
         match = "expert 1 down: scales at row 3, column 0 is infinite"

@@ -18,12 +18,17 @@ with ``G = ceil(K / group)``. The weight files of a later stage store exactly th
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from kt_sglang.engine.methods import METHODS, Method, parse_method, resolve_group
 from kt_sglang.engine.native import NATIVE_DTYPES, _native
+
+
+# The values of the 16 float4 e2m1 codes (sign in bit 3).
+E2M1_VALUES = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
 
 
 @dataclass
@@ -53,6 +58,8 @@ def dequantize(
         q = torch.stack([w & 0x0F, w >> 4], dim=-1).reshape(w.shape[0], -1)[:, :K].float()
     else:
         q = w.float()
+    if METHODS[method].weight_codes == "e2m1":
+        q = E2M1_VALUES[q.long()]
     q = q - METHODS[method].weight_zero
     N = q.shape[0]
 
@@ -115,6 +122,9 @@ def random_canonical(
             out[name] = torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8)
         elif name == "zeros":
             out[name] = torch.randint(6, 11, shape, generator=gen, dtype=torch.uint8)
+        elif name == "scales" and dtype == torch.float8_e8m0fnu:  # e2m1 values spread about 2.9
+            e = torch.randint(-1, 2, shape, generator=gen) + 127 - round(math.log2(2.9 * K**0.5))
+            out[name] = e.to(torch.uint8).view(torch.float8_e8m0fnu)
         elif name == "scales":  # nibbles minus their zero spread about 4.6
             out[name] = ((0.5 + torch.rand(shape, generator=gen)) / (4.6 * K**0.5)).to(dtype)
         else:

@@ -43,6 +43,7 @@ _DTYPES = {
     "int8": torch.int8,
     "uint8": torch.uint8,
     "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e8m0fnu": torch.float8_e8m0fnu,
 }
 
 
@@ -71,7 +72,8 @@ class MethodInfo:
     weight_bits: int
     quantizes_dense: bool  # the engine quantizes bf16/fp16/fp32 weights to it
     weight_zero: int  # the stored weight that stands for 0 where no mins/zeros tensor says (RAWINT4: 8)
-    checkpoint_format: str | None  # "fp8", "pack-quantized", "gptq": read as is; None: quantized
+    weight_codes: str | None  # "e2m1": the packed weights are float4 codes, not integers
+    checkpoint_format: str | None  # "fp8", "pack-quantized", "gptq", "mxfp4": read as is; None: quantized
     tensors: tuple[TensorSpec, ...]
     error_bound: float  # relative L2 error of a random layer against float32
 
@@ -92,6 +94,7 @@ METHODS: dict[Method, MethodInfo] = {
         row["weight_bits"],
         row["quantizes_dense"],
         row["weight_zero"],
+        row["weight_codes"],
         row["checkpoint_format"],
         tuple(TensorSpec(name, _DTYPES[dtype], shape) for name, dtype, shape in row["tensors"]),
         row["error_bound"],

@@ -34,7 +34,8 @@ CanonicalMatrix canonical(Method method, int64_t N, int64_t K, int group, uintpt
   return m;
 }
 
-const char* const kTensorDTypes[] = {"bfloat16", "float16", "float32", "int8", "uint8", "float8_e4m3fn"};
+const char* const kTensorDTypes[] = {"bfloat16", "float16",       "float32",       "int8",
+                                     "uint8",    "float8_e4m3fn", "float8_e8m0fnu"};
 const char* const kTensorShapes[] = {"N,K", "N,K/2", "N,K/group", "N/group,K/group", "N"};
 
 // Scratch shared by the layers of one runner; opaque to Python.
@@ -75,6 +76,7 @@ PYBIND11_MODULE(_native, m) {
           py::arg("int8_activations") = t.gate_up_input == Activation::kInt8,
           py::arg("int8_h") = t.down_input == Activation::kInt8, py::arg("weight_bits") = t.weight_bits,
           py::arg("quantizes_dense") = t.quantizes_dense, py::arg("weight_zero") = t.weight_zero,
+          py::arg("weight_codes") = t.weight_codes ? py::object(py::str(t.weight_codes)) : py::none(),
           py::arg("checkpoint_format") =
               t.checkpoint_format ? py::object(py::str(t.checkpoint_format)) : py::none(),
           py::arg("tensors") = tensors, py::arg("error_bound") = t.error_bound));

@@ -247,6 +247,14 @@ void check_finite(const CanonicalMatrix& m) {
                                       ", column " + std::to_string(at % m.K) + " is NaN");
         continue;
       }
+      case TensorDType::kE8m0: {  // 255 is e8m0's NaN (and it has no inf)
+        const int64_t at =
+            first_all_set(static_cast<const uint8_t*>(tensors[i]), m.N * groups, uint8_t{0xff});
+        if (at >= 0)
+          throw std::invalid_argument(std::string(spec[i].name) + " at row " + std::to_string(at / groups) +
+                                      ", column " + std::to_string(at % groups) + " is NaN (e8m0 255)");
+        continue;
+      }
       default:
         continue;  // integers have no inf or NaN
     }

@@ -14,6 +14,15 @@ inline float bf16_to_float(uint16_t h) {
   return f;
 }
 
+// An e8m0 scale byte (MX formats) as 2^(e - 127); 0 reads as 0 (2^-127 is below every weight's
+// precision) and 255, its NaN, is refused when weights are packed. The SIMD kernels shift it the same.
+inline float e8m0_to_float(uint8_t e) {
+  uint32_t u = static_cast<uint32_t>(e) << 23;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
 // Round to nearest even, NaN kept quiet.
 inline uint16_t float_to_bf16(float f) {
   uint32_t u;

@@ -13,11 +13,11 @@
 //         nibble = row r + group/8 (so one AND and one shift give two int8 rows)
 //   FP8:  32-byte row r holds the e4m3 bytes of W[n][2r], W[n][2r+1] for n = 0..15 (BF16's order at
 //         one byte a weight: decoding a row gives one BF16 row)
-//   RAWINT4, GPTQ_INT4: INT4's nibble layout
+//   RAWINT4, GPTQ_INT4, MXFP4: INT4's nibble layout (MXFP4's nibbles are e2m1 codes)
 // followed by the group's scale block, per channel: INT8 fp16 `scale[16]` (w = scale * (u8 - 128)),
 // INT4 fp16 `scale[16]`, `min[16]` (w = scale * q + min), FP8 fp32 `scale[16]` (w = scale * e4m3),
 // RAWINT4 bf16 `scale[16]` (w = scale * (q - 8)), GPTQ_INT4 fp16 `scale[16]`, fp16 `-zero[16]`
-// (w = scale * (q - zero)).
+// (w = scale * (q - zero)), MXFP4 e8m0 `scale[16]` (w = 2^(scale - 127) * e2m1).
 #pragma once
 
 #include <cstdint>
@@ -35,8 +35,9 @@ enum class Method : int {
   kFp8PerChannel = 4,
   kRawInt4 = 5,
   kGptqInt4 = 6,
+  kMxfp4 = 7,
 };
-inline constexpr int kNumMethods = 7;
+inline constexpr int kNumMethods = 8;
 
 inline constexpr int kPanelWidth = 16;  // output channels per panel
 inline constexpr int kKAlign = 64;      // K and the intermediate slices are padded to this
@@ -46,7 +47,15 @@ enum class Activation : int { kBf16 = 0, kInt8 = 1 };
 
 // One tensor of a canonical matrix W[N, K] (kt/quantize.h): its dtype and how its shape follows
 // from N, K and the group g.
-enum class TensorDType : int { kBf16 = 0, kFp16 = 1, kFp32 = 2, kInt8 = 3, kUint8 = 4, kFp8E4m3 = 5 };
+enum class TensorDType : int {
+  kBf16 = 0,
+  kFp16 = 1,
+  kFp32 = 2,
+  kInt8 = 3,
+  kUint8 = 4,
+  kFp8E4m3 = 5,
+  kE8m0 = 6,  // 2^(e - 127), the MX formats' scales
+};
 enum class TensorShape : int {
   kNK = 0,       // [N, K]
   kNHalfK = 1,   // [N, ceil(K / 2)]: two nibbles a byte
@@ -71,7 +80,7 @@ struct MethodTraits {
   // 0.014 to 0.017 at groups of 64. INT4 takes int8: the same ~0.01 adds little to its own 0.14 in
   // quadrature, and its bf16-input kernel needs four vpdpwssd per 64 bytes of weights where the
   // int8-input one needs two.
-  // RAWINT4 and GPTQ_INT4 read bf16: their only error is the activations' rounding, and int8
+  // RAWINT4, GPTQ_INT4 and MXFP4 read bf16: their only error is the activations' rounding, and int8
   // activations alone give 0.012-0.018 on random layers (bf16 h: 0.008-0.010; bf16: 0.0023).
   Activation gate_up_input;
   Activation down_input;
@@ -81,6 +90,8 @@ struct MethodTraits {
   // The stored weight value that stands for zero where no mins or zeros tensor says it (RAWINT4's
   // nibbles hold q + 8); 0 for the others.
   int weight_zero;
+  // What packed weight values stand for when they are not integers: "e2m1" (float4 codes).
+  const char* weight_codes;
   // The checkpoint format whose values it takes as they are (kt_sglang/weights/checkpoint.py reads
   // it): "fp8", "pack-quantized" (compressed-tensors), "gptq"; nullptr: the engine quantizes.
   const char* checkpoint_format;
@@ -106,6 +117,7 @@ inline constexpr MethodTraits kMethodTable[kNumMethods] = {
      .scale_bytes = 0,
      .quantizes_dense = true,
      .weight_zero = 0,
+     .weight_codes = nullptr,
      .checkpoint_format = nullptr,
      .tensors = {{"weight", TensorDType::kBf16, TensorShape::kNK}},
      .error_bound = 0.01f},
@@ -121,6 +133,7 @@ inline constexpr MethodTraits kMethodTable[kNumMethods] = {
      .scale_bytes = 2,
      .quantizes_dense = true,
      .weight_zero = 0,
+     .weight_codes = nullptr,
      .checkpoint_format = nullptr,
      .tensors = {{"weight", TensorDType::kInt8, TensorShape::kNK},
                  {"scales", TensorDType::kFp16, TensorShape::kNGroups}},
@@ -137,6 +150,7 @@ inline constexpr MethodTraits kMethodTable[kNumMethods] = {
      .scale_bytes = 4,
      .quantizes_dense = true,
      .weight_zero = 0,
+     .weight_codes = nullptr,
      .checkpoint_format = nullptr,
      .tensors = {{"weight", TensorDType::kUint8, TensorShape::kNHalfK},
                  {"scales", TensorDType::kFp16, TensorShape::kNGroups},
@@ -154,6 +168,7 @@ inline constexpr MethodTraits kMethodTable[kNumMethods] = {
      .scale_bytes = 4,
      .quantizes_dense = true,
      .weight_zero = 0,
+     .weight_codes = nullptr,
      .checkpoint_format = "fp8",
      .tensors = {{"weight", TensorDType::kFp8E4m3, TensorShape::kNK},
                  {"scales", TensorDType::kFp32, TensorShape::kBlocks}},
@@ -170,6 +185,7 @@ inline constexpr MethodTraits kMethodTable[kNumMethods] = {
      .scale_bytes = 4,
      .quantizes_dense = true,
      .weight_zero = 0,
+     .weight_codes = nullptr,
      .checkpoint_format = "fp8",
      .tensors = {{"weight", TensorDType::kFp8E4m3, TensorShape::kNK},
                  {"scales", TensorDType::kFp32, TensorShape::kN}},
@@ -187,6 +203,7 @@ inline constexpr MethodTraits kMethodTable[kNumMethods] = {
      .scale_bytes = 2,
      .quantizes_dense = false,
      .weight_zero = 8,
+     .weight_codes = nullptr,
      .checkpoint_format = "pack-quantized",
      .tensors = {{"weight", TensorDType::kUint8, TensorShape::kNHalfK},
                  {"scales", TensorDType::kBf16, TensorShape::kNGroups}},
@@ -203,10 +220,29 @@ inline constexpr MethodTraits kMethodTable[kNumMethods] = {
      .scale_bytes = 4,
      .quantizes_dense = false,
      .weight_zero = 0,
+     .weight_codes = nullptr,
      .checkpoint_format = "gptq",
      .tensors = {{"weight", TensorDType::kUint8, TensorShape::kNHalfK},
                  {"scales", TensorDType::kFp16, TensorShape::kNGroups},
                  {"zeros", TensorDType::kUint8, TensorShape::kNGroups}},
+     .error_bound = 0.01f},
+    {.method = Method::kMxfp4,
+     .name = "MXFP4",
+     .aliases = {nullptr, nullptr},
+     .summary = "float4 e2m1 weights with an e8m0 scale per 32 of K, as checkpoints ship them "
+                "(gpt-oss, DeepSeek-V4-Flash)",
+     .default_group = 32,
+     .allowed_groups = {32, 0, 0},
+     .gate_up_input = Activation::kBf16,
+     .down_input = Activation::kBf16,
+     .weight_bits = 4,
+     .scale_bytes = 1,
+     .quantizes_dense = false,
+     .weight_zero = 0,
+     .weight_codes = "e2m1",
+     .checkpoint_format = "mxfp4",
+     .tensors = {{"weight", TensorDType::kUint8, TensorShape::kNHalfK},
+                 {"scales", TensorDType::kE8m0, TensorShape::kNGroups}},
      .error_bound = 0.01f},
 };
 

@@ -11,6 +11,8 @@
 //   RAWINT4:        weight uint8 [N, ceil(K/2)] as AMXINT4, scales bf16 [N, G]   w = scale * (q - 8)
 //   GPTQ_INT4:      weight uint8 [N, ceil(K/2)] as AMXINT4, scales fp16 [N, G],
 //                   zeros uint8 [N, G]                                           w = scale * (q - zero)
+//   MXFP4:          weight uint8 [N, ceil(K/2)] e2m1 codes, low nibble = even k,
+//                   scales uint8 [N, G] e8m0                                     w = 2^(scale-127) * e2m1
 // with G = ceil(K / group). docs/weight-format.md describes the files built from them.
 #pragma once
 

@@ -18,22 +18,30 @@ namespace kt::kernels {
 // The methods whose packed groups these kernels decode: a method of another layout has its own
 // kernels (src/methods/<method>/) and must never reach an integer branch.
 template <Method M>
-inline constexpr bool kIntegerMethod =
-    M == Method::kInt8 || M == Method::kInt4 || M == Method::kRawInt4 || M == Method::kGptqInt4;
+inline constexpr bool kIntegerMethod = M == Method::kInt8 || M == Method::kInt4 || M == Method::kRawInt4 ||
+                                       M == Method::kGptqInt4 || M == Method::kMxfp4;
 // Whether a method's packed weights are INT4's nibbles (else INT8's bytes).
 template <Method M>
 inline constexpr bool kNibbles = kIntegerMethod<M> && method_traits(M).weight_bits == 4;
+// Whether its nibbles are codes looked up in a table (kE2m1Twice) rather than integers. Twice the
+// e2m1 values are the integers -12..12, so these methods run the integer A16 kernels exactly, with
+// half the scale.
+template <Method M>
+inline constexpr bool kLookupNibbles = M == Method::kMxfp4;
+inline constexpr int8_t kE2m1Twice[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
 // Each integer method's scale block (quant_types.h) as the scale ws and offset wm of the epilogue.
 template <Method M>
 struct GroupScales {
   static_assert(kIntegerMethod<M>);
   static float scale(const uint8_t* block, int n) {
+    if constexpr (M == Method::kMxfp4) return 0.5f * e8m0_to_float(block[n]);  // weights are 2 x e2m1
     const uint16_t bits = reinterpret_cast<const uint16_t*>(block)[n];
     if constexpr (M == Method::kRawInt4) return bf16_to_float(bits);
     return fp16_to_float(bits);
   }
   static float offset(const uint8_t* block, int n) {
+    if constexpr (M == Method::kMxfp4) return 0.0f;
     if constexpr (M == Method::kInt8) return -128.0f * scale(block, n);
     if constexpr (M == Method::kRawInt4) return -float{method_traits(M).weight_zero} * scale(block, n);
     const float second = fp16_to_float(reinterpret_cast<const uint16_t*>(block)[kPanelWidth + n]);
@@ -41,6 +49,15 @@ struct GroupScales {
     return second;
   }
 };
+
+// The signed weight a packed byte u stands for: INT8's q = u - 128, the nibbles' u, or its code's
+// value.
+template <Method M>
+inline int weight_value(uint8_t u) {
+  if constexpr (kLookupNibbles<M>) return kE2m1Twice[u];
+  if constexpr (kNibbles<M>) return u;
+  return int{u} - 128;
+}
 
 // Packed byte u of channel n, K-value k (0 <= k < group) of one group's weight block.
 template <Method M>

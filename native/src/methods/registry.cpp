@@ -8,6 +8,7 @@
 
 #include "fp8/fp8.h"
 #include "int4_checkpoint/int4_checkpoint.h"
+#include "mxfp4/mxfp4.h"
 
 namespace kt {
 
@@ -34,6 +35,7 @@ constexpr MethodOps kOps[kNumMethods] = {
     {fp8::pack_group, fp8::quantize_rows},           // FP8_PERCHANNEL
     {int4_checkpoint::pack_group_rawint4, nullptr},  // RAWINT4
     {int4_checkpoint::pack_group_gptq, nullptr},     // GPTQ_INT4
+    {mxfp4::pack_group, nullptr},                    // MXFP4
 };
 
 // Per method in ascending ISA order: a higher family's row replaces a lower one's where usable.
@@ -63,6 +65,9 @@ constexpr KernelRow kKernels[] = {
     {Method::kGptqInt4, Isa::kScalar, always, k::scalar::gemm_gptq, k::scalar::gemm_gptq_a16},
     {Method::kGptqInt4, Isa::kAvx2, always, k::avx2::gemm_gptq, k::avx2::gemm_gptq_a16},
     {Method::kGptqInt4, Isa::kAvx512, has_avx512_vnni, k::avx512::gemm_gptq, k::avx512::gemm_gptq_a16},
+    {Method::kMxfp4, Isa::kScalar, always, nullptr, k::scalar::gemm_mxfp4},
+    {Method::kMxfp4, Isa::kAvx2, always, nullptr, k::avx2::gemm_mxfp4},
+    {Method::kMxfp4, Isa::kAvx512, has_avx512_vnni, nullptr, k::avx512::gemm_mxfp4},
 };
 
 std::string upper(std::string_view s) {

@@ -28,7 +28,11 @@ inline constexpr int kTileRows = 4;
 template <Method M>
 inline std::pair<__m256, __m256> group_scales(const uint8_t* block, int h) {
   auto load8 = [&](int offset) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + offset)); };
-  if constexpr (M == Method::kRawInt4) {  // bf16 scales, symmetric around weight_zero
+  if constexpr (M == Method::kMxfp4) {  // e8m0 bytes: 2^(e - 127), halved as the weights are 2 x e2m1
+    const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 8 * h)));
+    return {_mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(e, 23)), _mm256_set1_ps(0.5f)),
+            _mm256_setzero_ps()};
+  } else if constexpr (M == Method::kRawInt4) {  // bf16 scales, symmetric around weight_zero
     const __m256 ws = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(load8(16 * h)), 16));
     return {ws, _mm256_mul_ps(ws, _mm256_set1_ps(-float{method_traits(M).weight_zero}))};
   } else {
@@ -109,6 +113,7 @@ template <Method M>
 void gemm_quant(int m, int64_t K, int group, const QuantRows& a, const uint8_t* panels, int npanels, float* c,
                 int64_t ldc) {
   static_assert(kIntegerMethod<M>, "the integer GEMM decodes the integer methods' weights only");
+  static_assert(!kLookupNibbles<M>, "looked-up nibbles have no int8-input kernel");
   const int64_t stride = panel_bytes(M, group, K);
   with_group(group, [&](auto group_size) {
     for_each_tile<kTileRows, 1>(m, npanels, [&](auto rows, auto, int i0, int p) {

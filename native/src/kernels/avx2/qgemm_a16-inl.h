@@ -61,6 +61,15 @@ inline void gemm_a16_tile(int64_t K, const Int16Rows& a, int i0, const uint8_t* 
   constexpr int64_t gbytes = group_bytes(M, kGroup), wbytes = group_weight_bytes(M, kGroup);
   const int64_t groups = K / kGroup;
   const __m256i low_byte = _mm256_set1_epi16(0x00ff), nibble = _mm256_set1_epi16(0x000f);
+  // Looked-up nibbles: a byte shuffle puts each 16-bit lane's value in its low byte (the high byte
+  // looks up code 0, i.e. 0), and two shifts sign-extend it.
+  const __m256i table =
+      _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kE2m1Twice)));
+  auto decode = [&](__m256i codes) __attribute__((always_inline)) {
+    if constexpr (kLookupNibbles<M>)
+      return _mm256_srai_epi16(_mm256_slli_epi16(_mm256_shuffle_epi8(table, codes), 8), 8);
+    return codes;
+  };
   for (int64_t gi = 0; gi < groups; ++gi) {
     const uint8_t* w = panel + gi * gbytes;
     __m256i d[kRows][2];
@@ -85,10 +94,10 @@ inline void gemm_a16_tile(int64_t K, const Int16Rows& a, int i0, const uint8_t* 
         for (int r = 0; r < half; ++r) {
           const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * 64 + 32 * h));
           const int lo = 4 * r, hi = 4 * (r + half);
-          dot(h, _mm256_and_si256(v, nibble), lo);
-          dot(h, _mm256_and_si256(_mm256_srli_epi16(v, 8), nibble), lo + 2);
-          dot(h, _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble), hi);
-          dot(h, _mm256_srli_epi16(v, 12), hi + 2);
+          dot(h, decode(_mm256_and_si256(v, nibble)), lo);
+          dot(h, decode(_mm256_and_si256(_mm256_srli_epi16(v, 8), nibble)), lo + 2);
+          dot(h, decode(_mm256_and_si256(_mm256_srli_epi16(v, 4), nibble)), hi);
+          dot(h, decode(_mm256_srli_epi16(v, 12)), hi + 2);
         }
       }
     }

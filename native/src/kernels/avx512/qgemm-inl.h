@@ -19,7 +19,11 @@ inline std::pair<__m512, __m512> group_scales(const uint8_t* block) {
   auto load16 = [&](int offset) {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + offset));
   };
-  if constexpr (M == Method::kRawInt4) {  // bf16 scales, symmetric around weight_zero
+  if constexpr (M == Method::kMxfp4) {  // e8m0 bytes: 2^(e - 127), halved as the weights are 2 x e2m1
+    const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block)));
+    return {_mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(e, 23)), _mm512_set1_ps(0.5f)),
+            _mm512_setzero_ps()};
+  } else if constexpr (M == Method::kRawInt4) {  // bf16 scales, symmetric around weight_zero
     const __m512 ws = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(load16(0)), 16));
     return {ws, _mm512_mul_ps(ws, _mm512_set1_ps(-float{method_traits(M).weight_zero}))};
   } else {
@@ -170,6 +174,7 @@ template <Method M>
 void gemm_quant(int m, int64_t K, int group, const QuantRows& a, const uint8_t* panels, int npanels, float* c,
                 int64_t ldc) {
   static_assert(kIntegerMethod<M>, "the integer GEMM decodes the integer methods' weights only");
+  static_assert(!kLookupNibbles<M>, "looked-up nibbles have no int8-input kernel");
   const int64_t stride = panel_bytes(M, group, K);
   with_group(group, [&](auto group_size) {
     constexpr int kGroup = decltype(group_size)::value;

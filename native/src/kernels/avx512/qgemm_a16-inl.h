@@ -57,6 +57,15 @@ inline void quantize_int16_rows(Int16Rows& rows, const Bf16Rows& a, int m, int64
     }
 }
 
+// kE2m1Twice as 32 int16 lanes (codes index the first 16) for the lookup methods, else unused.
+template <Method M>
+inline __m512i lookup_table() {
+  if constexpr (!kLookupNibbles<M>) return _mm512_setzero_si512();
+  alignas(64) int16_t t[32] = {};
+  for (int i = 0; i < 16; ++i) t[i] = kE2m1Twice[i];
+  return _mm512_load_si512(t);
+}
+
 template <Method M, int kGroup, int kRows>
 inline void gemm_a16_rows(int64_t K, const Int16Rows& a, int i0, const uint8_t* panel, float* const* out) {
   constexpr int kChains = kRows == 1 ? 4 : 2;  // vpdpwssd latency
@@ -64,6 +73,12 @@ inline void gemm_a16_rows(int64_t K, const Int16Rows& a, int i0, const uint8_t* 
   const int64_t gbytes = group_bytes(M, kGroup), wbytes = group_weight_bytes(M, kGroup);
   const int64_t ahead_bytes = prefetch_distance(gbytes);
   const __m512i low_byte = _mm512_set1_epi16(0x00ff), nibble = _mm512_set1_epi16(0x000f);
+  // Looked-up nibbles: 16-bit lanes holding codes 0..15 become their int16 values (vpermw).
+  const __m512i table = lookup_table<M>();
+  auto decode = [&](__m512i codes) __attribute__((always_inline)) {
+    if constexpr (kLookupNibbles<M>) return _mm512_permutexvar_epi16(codes, table);
+    return codes;
+  };
   __m512 acc[kRows];
   __m512i d[kRows][kChains];
   for (int i = 0; i < kRows; ++i) acc[i] = _mm512_setzero_ps();
@@ -97,10 +112,10 @@ inline void gemm_a16_rows(int64_t K, const Int16Rows& a, int i0, const uint8_t* 
       for (int r = 0; r < half; ++r) {
         const __m512i v = _mm512_loadu_si512(w + r * 64);
         const int lo = 4 * r, hi = 4 * (r + half);
-        dot(_mm512_and_si512(v, nibble), at(lo), 0);
-        dot(_mm512_and_si512(_mm512_srli_epi16(v, 8), nibble), at(lo + 2), 1);
-        dot(_mm512_and_si512(_mm512_srli_epi16(v, 4), nibble), at(hi), 2);
-        dot(_mm512_srli_epi16(v, 12), at(hi + 2), 3);
+        dot(decode(_mm512_and_si512(v, nibble)), at(lo), 0);
+        dot(decode(_mm512_and_si512(_mm512_srli_epi16(v, 8), nibble)), at(lo + 2), 1);
+        dot(decode(_mm512_and_si512(_mm512_srli_epi16(v, 4), nibble)), at(hi), 2);
+        dot(decode(_mm512_srli_epi16(v, 12)), at(hi + 2), 3);
       }
     }
     const auto [ws, wm] = group_scales<M>(w + wbytes);

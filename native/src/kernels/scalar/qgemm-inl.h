@@ -11,6 +11,7 @@ template <Method M>
 void gemm_quant(int m, int64_t K, int group, const QuantRows& a, const uint8_t* panels, int npanels, float* c,
                 int64_t ldc) {
   static_assert(kIntegerMethod<M>, "the integer GEMM decodes the integer methods' weights only");
+  static_assert(!kLookupNibbles<M>, "looked-up nibbles have no int8-input kernel");
   const int64_t pbytes = panel_bytes(M, group, K);
   const int64_t gbytes = group_bytes(M, group);
   const int64_t wbytes = group_weight_bytes(M, group);

@@ -27,7 +27,7 @@ void gemm_quant_a16(int m, int64_t K, int group, const Bf16Rows& a, const uint8_
         for (int n = 0; n < kPanelWidth; ++n) {
           float d = 0.0f;
           for (int k = 0; k < group; ++k) {
-            const int q = packed_weight<M>(w, group, n, k) - (kNibbles<M> ? 0 : 128);
+            const int q = weight_value<M>(packed_weight<M>(w, group, n, k));
             d += bf16_to_float(*bf16_at(a, i, gi * group + k)) * static_cast<float>(q);
           }
           acc[n] += GroupScales<M>::scale(w + wbytes, n) * d;
