@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from kt_sglang.engine.activation import Glu
 from kt_sglang.engine.methods import METHODS, Method, parse_method
 from kt_sglang.engine.pools import PoolLayout, SharedRunner, plan_pools, selected_isa
 from kt_sglang.engine.wrapper import KTMoEWrapper
 
 __all__ = [
+    "Glu",
     "KTMoEWrapper",
     "METHODS",
     "Method",

@@ -26,7 +26,6 @@ import torch
 from kt_sglang.engine.methods import METHODS, Method, parse_method, resolve_group
 from kt_sglang.engine.native import NATIVE_DTYPES, _native
 
-
 # The values of the 16 float4 e2m1 codes (sign in bit 3).
 E2M1_VALUES = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
 

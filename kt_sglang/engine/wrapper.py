@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kt_sglang.engine.activation import SILU, Glu
 from kt_sglang.engine.canonical import CanonicalMatrix, check_matrix
 from kt_sglang.engine.methods import METHODS, parse_method, resolve_group
 from kt_sglang.engine.native import NATIVE_DTYPES, _native
@@ -93,6 +94,7 @@ class KTMoEWrapper:
         numa_nodes: list[int] | None = None,
         group_size: int | None = None,
         isa: str | None = None,
+        activation: Glu = SILU,
     ) -> None:
         for name, value, largest in (
             ("num_experts", num_experts, _MAX_EXPERTS),
@@ -138,7 +140,11 @@ class KTMoEWrapper:
             self.group_size,
             self.isa,
             chunked_prefill_size,
+            activation.native_kind,
+            activation.limit,
+            activation.alpha,
         )
+        self.activation = activation
         # Two submission streams: the layer's immediate experts and its deferred ones (which run
         # while the next layer computes), each with its own buffers and at most one pending task.
         self._sets = {False: _BufferSet({}), True: _BufferSet({})}
@@ -226,6 +232,38 @@ class KTMoEWrapper:
                 for e, m in enumerate(mats)
             ]
         self._layer.load_canonical(ptrs["gate"], ptrs["up"], ptrs["down"])
+
+    def load_biases(
+        self,
+        gate_bias: torch.Tensor | None,
+        up_bias: torch.Tensor | None,
+        down_bias: torch.Tensor | None,
+        physical_to_logical_map: torch.Tensor | list[int] | None = None,
+    ) -> None:
+        """Expert biases (gpt-oss): gate_bias, up_bias ``[E_src, I]`` added before the activation,
+        down_bias ``[E_src, H]`` to each expert's output before its routing weight; any may be None.
+        Slot e takes source expert ``physical_to_logical_map[e]``."""
+        E, I, H = self.num_experts, self.moe_intermediate_size, self.hidden_size
+        rows = []
+        for name, t, width in (
+            ("gate_bias", gate_bias, I),
+            ("up_bias", up_bias, I),
+            ("down_bias", down_bias, H),
+        ):
+            if t is None:
+                rows.append(None)
+                continue
+            if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.shape[1] != width or t.shape[0] < 1:
+                shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"{name} is {shape}; expected [E_src, {width}]")
+            if not t.dtype.is_floating_point or t.device.type != "cpu":
+                raise ValueError(f"{name} must be a floating-point CPU tensor, got {t.dtype} on {t.device}")
+            slots = self._slot_map(physical_to_logical_map, t.shape[0])
+            if not slots and t.shape[0] < E:
+                raise ValueError(f"{name} holds {t.shape[0]} experts but num_experts={E}")
+            rows.append((t[slots] if slots else t[:E]).float().contiguous())
+        self._biases = rows  # kept alive: the engine copies them, the reference may read them
+        self._layer.load_biases(*(0 if r is None else r.data_ptr() for r in rows))
 
     def load_weights(self, physical_to_logical_map: torch.Tensor | list[int] | None = None) -> None:
         """Loads this layer's experts from ``weight_path``: a canonical directory written by

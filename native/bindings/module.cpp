@@ -253,15 +253,24 @@ PYBIND11_MODULE(_native, m) {
   py::class_<MoeLayer>(m, "MoeLayer")
       .def(py::init([](std::shared_ptr<Runner> runner, const Workspace& ws, int num_experts, int top_k,
                        int64_t hidden, int64_t intermediate, Method method, int group, const std::string& isa,
-                       int64_t max_chunk_tokens) {
+                       int64_t max_chunk_tokens, int glu_kind, float glu_limit, float glu_alpha) {
              const auto parsed = parse_isa(isa);
              if (!parsed) throw std::invalid_argument("unknown ISA '" + isa + "'");
              MoeConfig c{num_experts, top_k, hidden, intermediate, method, group, max_chunk_tokens};
+             c.glu = GluConfig{static_cast<GluKind>(glu_kind), glu_limit, glu_alpha};
              return std::make_unique<MoeLayer>(c, std::move(runner), ws.impl, *parsed);
            }),
            py::arg("runner"), py::arg("workspace"), py::arg("num_experts"), py::arg("top_k"),
            py::arg("hidden"), py::arg("intermediate"), py::arg("method"), py::arg("group"), py::arg("isa"),
-           py::arg("max_chunk_tokens"))
+           py::arg("max_chunk_tokens"), py::arg("glu_kind") = 0, py::arg("glu_limit") = 0.0f,
+           py::arg("glu_alpha") = 1.702f)
+      .def(
+          "load_biases",
+          [](MoeLayer& l, uintptr_t gate, uintptr_t up, uintptr_t down) {
+            py::gil_scoped_release release;
+            l.load_biases(ptr<const float>(gate), ptr<const float>(up), ptr<const float>(down));
+          },
+          "fp32 [E, I], [E, I], [E, H] expert biases (0 = none).")
       .def("load_dense",
            [](MoeLayer& l, uintptr_t gate, uintptr_t up, uintptr_t down, DType dtype, int64_t source_experts,
               const std::vector<int64_t>& slot_to_source) {

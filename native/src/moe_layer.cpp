@@ -4,6 +4,7 @@
 #include <sched.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -166,10 +167,16 @@ MoeLayer::MoeLayer(const MoeConfig& config, std::shared_ptr<Runner> runner,
     throw std::invalid_argument("hidden_size and intermediate_size must be positive");
   if (config_.max_chunk_tokens < 1) throw std::invalid_argument("max_chunk_tokens must be positive");
   if (runner_->num_pools() > kMaxPools) throw std::invalid_argument("at most 64 pools");
+  const GluConfig& glu = config_.glu;
+  if (glu.kind != GluKind::kSilu && glu.kind != GluKind::kSwigluOai)
+    throw std::invalid_argument("unknown activation kind " + std::to_string(static_cast<int>(glu.kind)));
+  if (!(glu.limit >= 0.0f) || !std::isfinite(glu.limit) || !std::isfinite(glu.alpha))
+    throw std::invalid_argument("activation limit must be finite and >= 0 (0: none), alpha finite");
   config_.group = group_;
   const int64_t unit = std::max<int64_t>(group_, kKAlign);
   hidden_padded_ = round_up(config_.hidden, unit);
   const int64_t units = round_up(config_.intermediate, unit) / unit;
+  intermediate_padded_ = units * unit;
   const int P = runner_->num_pools();
   const int64_t E = config_.num_experts;
   for (int p = 0; p < P; ++p) {
@@ -190,9 +197,13 @@ MoeLayer::MoeLayer(const MoeConfig& config, std::shared_ptr<Runner> runner,
   }
 }
 
-MoeLayer::~MoeLayer() { drain(); }
+MoeLayer::~MoeLayer() {
+  drain();
+}
 
-void MoeLayer::drain() const { runner_->wait_done(last_task_.load(std::memory_order_acquire)); }
+void MoeLayer::drain() const {
+  runner_->wait_done(last_task_.load(std::memory_order_acquire));
+}
 
 int64_t MoeLayer::packed_bytes() const {
   int64_t total = 0;
@@ -252,6 +263,21 @@ struct OwnedCanonical {
 };
 
 }  // namespace
+
+void MoeLayer::load_biases(const float* gate, const float* up, const float* down) {
+  const int64_t E = config_.num_experts, I = config_.intermediate, H = config_.hidden;
+  auto take = [&](const float* src, int64_t n, int64_t padded, const char* what, std::vector<float>& dst) {
+    dst.clear();
+    if (!src) return;
+    const int64_t at = first_non_finite(src, DType::kFloat32, E * n);
+    if (at >= 0) throw_non_finite(what, at / n, at % n, src[at]);
+    dst.assign(static_cast<size_t>(E * padded), 0.0f);
+    for (int64_t e = 0; e < E; ++e) std::copy_n(src + e * n, n, dst.data() + e * padded);
+  };
+  take(gate, I, intermediate_padded_, "gate bias", gate_bias_);
+  take(up, I, intermediate_padded_, "up bias", up_bias_);
+  take(down, H, round_up(H, kPanelWidth), "down bias", down_bias_);
+}
 
 void MoeLayer::load_dense(const void* gate, const void* up, const void* down, DType dtype,
                           int64_t source_experts, const std::vector<int64_t>& slot_to_source) {
@@ -663,6 +689,8 @@ void MoeLayer::gate_up(const Chunk& chunk, const WorkerContext& ctx) {
     // ones one block per call, so that c_buf stays within the L2.
     const int64_t blocks_per_call = ws.down_rows ? per_item : 1;
     grow(sc.c_buf, max_rows * blocks_per_call * 2 * Gh);
+    const GluConfig& glu = config_.glu;
+    const bool general_glu = !glu.plain() || !gate_bias_.empty() || !up_bias_.empty();
     // Blocks [gl0, gl0 + nb) of expert ws.active[a]: its intermediate channels [gl0 * Gh,
     // (gl0 + nb) * Gh) of the slice.
     auto gate_up_blocks = [&](int64_t a, int64_t gl0, int64_t nb) {
@@ -694,7 +722,14 @@ void MoeLayer::gate_up(const Chunk& chunk, const WorkerContext& ctx) {
           uint8_t* h_row = tiled_row(ps.h_rows.data(), r0 + i + padding_before(ws, e), slice * 2);
           for (int64_t b = 0; b < nb; ++b) {
             const float* cg = sc.c_buf.data() + i * ldc + b * 2 * Gh;
-            table_.silu_mul(cg, cg + Gh, Gh, sc.h_bf16.data());
+            if (general_glu) {
+              const int64_t at = e * intermediate_padded_ + pw.i_begin + (gl0 + b) * Gh;
+              glu_general(cg, cg + Gh, gate_bias_.empty() ? nullptr : gate_bias_.data() + at,
+                          up_bias_.empty() ? nullptr : up_bias_.data() + at, Gh, static_cast<int>(glu.kind),
+                          glu.limit, glu.alpha, sc.h_bf16.data());
+            } else {
+              table_.silu_mul(cg, cg + Gh, Gh, sc.h_bf16.data());
+            }
             store_tiled(h_row, (gl0 + b) * Gh * 2, sc.h_bf16.data(), Gh * 2);
           }
         }
@@ -777,7 +812,11 @@ void MoeLayer::down(const Chunk& chunk, const WorkerContext& ctx) {
           gemm_a16(m, slice, G, sc.bf16_rows(), w, npan, sc.c_buf.data(), ldc);
         }
         for (int i = 0; i < m; ++i) {
-          const float* c = sc.c_buf.data() + i * ldc;
+          float* c = sc.c_buf.data() + i * ldc;
+          if (!down_bias_.empty() && ctx.pool == 0) {  // once per row: the pools' sums add up
+            const float* b = down_bias_.data() + e * round_up(H, kPanelWidth) + p0 * kPanelWidth;
+            for (int64_t j = 0; j < ldc; ++j) c[j] += b[j];
+          }
           if (ws.down_rows)  // through c_buf: AMX stores whole blocks of rows, past row m - 1
             std::memcpy(ps.y.data() + (r0 + i) * Hy + p0 * kPanelWidth, c, ldc * sizeof(float));
           else

@@ -49,6 +49,11 @@ using AddWeightedFn = void (*)(float* y, const float* c, float weight, int64_t n
 using SumToBf16Fn = void (*)(const float* const* parts, int nparts, int64_t n, bool accumulate,
                              uint16_t* out);
 
+// h = bf16(glu(gate + gate_bias, up + up_bias)) for a GluConfig other than plain silu (moe_layer.h);
+// biases may be null. Portable code, vectorized by the compiler per ISA at load (src/glu.cpp).
+void glu_general(const float* gate, const float* up, const float* gate_bias, const float* up_bias, int64_t n,
+                 int kind, float limit, float alpha, uint16_t* h);
+
 // One method's GEMMs in a table, and which family each comes from (for doctor and tests).
 struct MethodKernels {
   GemmQ8Fn gemm_q8 = nullptr;  // null for methods that never read int8 activations

@@ -12,6 +12,18 @@
 
 namespace kt {
 
+// The gated activation between gate/up and down, after the optional biases:
+//   kSilu:      h = silu(g) * u                               (Qwen, DeepSeek, Mixtral, ...)
+//   kSwigluOai: h = (u + 1) * g * sigmoid(alpha * g)          (gpt-oss)
+// with, when limit > 0, g = min(g, limit) and u = clamp(u, -limit, limit) first (gpt-oss, DeepSeek-V4).
+enum class GluKind : int { kSilu = 0, kSwigluOai = 1 };
+struct GluConfig {
+  GluKind kind = GluKind::kSilu;
+  float limit = 0.0f;  // 0: no clamp
+  float alpha = 1.702f;
+  bool plain() const { return kind == GluKind::kSilu && limit == 0.0f; }
+};
+
 struct MoeConfig {
   int num_experts = 0;
   int top_k = 0;
@@ -20,6 +32,7 @@ struct MoeConfig {
   Method method = Method::kBf16;
   int group = 0;                    // 0: the method's default
   int64_t max_chunk_tokens = 4096;  // prefill is computed in chunks of this many tokens
+  GluConfig glu;
 };
 
 // Scratch shared by every layer on one runner (tasks run one at a time). Grows, never shrinks.
@@ -63,6 +76,10 @@ class MoeLayer {
   // Already-quantized canonical matrices, one per slot and projection (see quantize.h).
   void load_canonical(const std::vector<CanonicalMatrix>& gate, const std::vector<CanonicalMatrix>& up,
                       const std::vector<CanonicalMatrix>& down);
+  // Expert biases, fp32 and one row per slot: added to gate [E, I] and up [E, I] before the
+  // activation and to the down projection's output [E, H] before the routing weight (gpt-oss).
+  // Any may be null (no bias). Throws naming the tensor, row and column of a non-finite value.
+  void load_biases(const float* gate, const float* up, const float* down);
 
   // Validates (the expert ids too when the batch size is known now), then enqueues the forward on
   // the runner and returns at once.
@@ -100,6 +117,10 @@ class MoeLayer {
   int group_;
   int64_t hidden_padded_;  // K of gate/up, multiple of the group and of 64
   std::vector<std::unique_ptr<PoolWeights>> pools_;
+  // Biases as load_biases took them, zero-padded: [E, intermediate_padded_] and [E, hidden
+  // rounded to 16]; empty when absent.
+  std::vector<float> gate_bias_, up_bias_, down_bias_;
+  int64_t intermediate_padded_ = 0;
   bool loaded_ = false;
   std::atomic<uint64_t> last_task_{0};  // the runner's id of this layer's latest forward
 };
