@@ -267,9 +267,11 @@ class KTMoEWrapper:
 
     def load_weights(self, physical_to_logical_map: torch.Tensor | list[int] | None = None) -> None:
         """Loads this layer's experts from ``weight_path``: a canonical directory written by
-        ``kt-sglang convert-cpu``, or the Hugging Face checkpoint itself (bf16 / fp16 / fp32 / FP8),
-        quantized to ``method`` on load; a method storing e4m3 weights takes an FP8 checkpoint's
-        values as they are.
+        ``kt-sglang convert-cpu``, or the Hugging Face checkpoint itself (bf16 / fp16 / fp32, FP8,
+        INT4, MXFP4), quantized to ``method`` on load, or taken as it is by the method that reads its
+        format (``METHODS[m].checkpoint_format``: FP8, RAWINT4, GPTQ_INT4, MXFP4). The layer's
+        ``activation`` must be the checkpoint's (``open_checkpoint(path).activation()``); expert biases
+        (gpt-oss) are loaded with the weights.
 
         Slot e takes checkpoint expert ``physical_to_logical_map[e]`` (identity by default); only the
         experts named are read.
@@ -299,10 +301,15 @@ class KTMoEWrapper:
             )
 
     def _load_hf_checkpoint(self, physical_to_logical_map) -> None:
-        from kt_sglang.weights.checkpoint import open_checkpoint
+        from kt_sglang.weights.checkpoint import CheckpointError, open_checkpoint
 
         ckpt = open_checkpoint(self.weight_path)
         spec = ckpt.spec
+        if ckpt.activation() != self.activation:
+            raise CheckpointError(
+                f"{ckpt.path}: {ckpt.family.family} experts use the activation {ckpt.activation()}; this "
+                f"layer was built with {self.activation} (pass activation=open_checkpoint(path).activation())"
+            )
         mapped = physical_to_logical_map is not None
         self._check_model(
             str(ckpt.path / "config.json"), spec.hidden_size, spec.intermediate_size, spec.num_experts, mapped
@@ -319,9 +326,12 @@ class KTMoEWrapper:
         ):
             mats = ckpt.layer_native_experts(self.layer_idx, needed, self.method)
             self.load_canonical(*([m[position[e]] for e in slots] for m in mats))
-            return
-        gate, up, down = ckpt.layer_experts(self.layer_idx, needed)
-        self.load_weights_from_tensors(gate, up, down, [position[e] for e in slots])
+        else:
+            gate, up, down = ckpt.layer_experts(self.layer_idx, needed)
+            self.load_weights_from_tensors(gate, up, down, [position[e] for e in slots])
+        biases = ckpt.layer_biases(self.layer_idx, needed) if in_layer else (None, None, None)
+        if any(b is not None for b in biases):
+            self.load_biases(*biases, physical_to_logical_map=[position[e] for e in slots])
 
     def _load_canonical_dir(self, physical_to_logical_map) -> None:
         from pathlib import Path
@@ -641,8 +651,10 @@ def _recorded_group(weight_path: str, method) -> int | None:
     if is_canonical_dir(weight_path):
         manifest = Manifest.read(weight_path)
         return manifest.group_size if manifest.method == method.value else None
+    from kt_sglang.weights.int4_checkpoint import FORMATS
+
     fmt = METHODS[method].checkpoint_format
-    if fmt in (None, "fp8") or not (Path(weight_path) / "config.json").is_file():
+    if fmt not in FORMATS or not (Path(weight_path) / "config.json").is_file():
         return None
     ckpt = open_checkpoint(weight_path)
     layers = [layer for layer in ckpt.spec.moe_layers if ckpt.expert_format(layer) == fmt]

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors import safe_open
 
-from kt_sglang.weights import int4_checkpoint
+from kt_sglang.weights import int4_checkpoint, mxfp4_checkpoint
 from kt_sglang.weights.families import ModelFamily, family_for
 
 # The format name in the manifest, shards and index that `kt-sglang convert-cpu` writes (canonical_files).
@@ -167,6 +167,11 @@ class Checkpoint:
         w = self.tensor(name)
         if w.dtype in (torch.bfloat16, torch.float16, torch.float32):
             return w
+        if mxfp4_checkpoint.is_packed(w):  # e2m1 codes: their values in fp32
+            from kt_sglang.engine.canonical import dequantize
+
+            N, K = w.shape[0], 2 * w.shape[1]
+            return dequantize("MXFP4", mxfp4_checkpoint.read_expert(self, name, (N, K)), K)
         if not is_float8(w.dtype):
             raise CheckpointError(
                 f"tensor {self._where(name)} has dtype {w.dtype}; expected bf16, fp16, fp32 or fp8 e4m3"
@@ -247,6 +252,14 @@ class Checkpoint:
             )
         ids = list(range(spec.num_experts)) if experts is None else list(experts)
         I, H = spec.intermediate_size, spec.hidden_size
+        if fam.fused_mxfp4:
+            from kt_sglang.engine.canonical import dequantize
+
+            mats = mxfp4_checkpoint.read_fused_layer(self, layer, ids)
+            return tuple(
+                torch.stack([dequantize("MXFP4", m, K) for m in proj]) if proj else torch.empty(0, N, K)
+                for proj, (N, K) in zip(mats, ((I, H), (I, H), (H, I)), strict=True)
+            )
         if self._per_expert(layer, ids[0] if ids else 0):
             parts = [
                 self._expert_stack(fam.experts[proj], layer, ids, shape)
@@ -421,18 +434,36 @@ class Checkpoint:
             fmt = base and int4_checkpoint.detect_format(self, base + ".weight")
             name = fmt and f"{base}.{int4_checkpoint.packed_suffix(fmt)}"
         name = name or self._resolve(fam.fused_experts.get("gate_up", ""), layer=layer)
+        if name is None and fam.fused_mxfp4:
+            name = self._resolve(fam.fused_mxfp4["gate_up"] + "_blocks", layer=layer)
         if name is None:
             raise CheckpointError(f"layer {layer}: no expert tensors in {self.path}")
         return self.tensor(name).dtype  # memory-mapped: reading one tensor's dtype is cheap
 
     def expert_format(self, layer: int) -> str:
-        """How the layer's experts are stored: "dense" (bf16/fp16/fp32), "fp8", or an INT4 format
-        ("pack-quantized", "gptq"), as MethodInfo.checkpoint_format names them."""
+        """How the layer's experts are stored: "dense" (bf16/fp16/fp32), "fp8", "mxfp4", or an INT4
+        format ("pack-quantized", "gptq"), as MethodInfo.checkpoint_format names them."""
         fam = self.family
+        if fam.fused_mxfp4:
+            return mxfp4_checkpoint.FORMAT
         base = fam.experts and int4_checkpoint.base_name(self, fam.experts["gate"], layer=layer, expert=0)
         if base:
             return int4_checkpoint.detect_format(self, base + ".weight")
-        return "fp8" if is_float8(self.expert_dtype(layer)) else "dense"
+        dtype = self.expert_dtype(layer)
+        if dtype in (torch.uint8, torch.int8) or str(dtype) == "torch.float4_e2m1fn_x2":
+            return mxfp4_checkpoint.FORMAT
+        return "fp8" if is_float8(dtype) else "dense"
+
+    def activation(self):
+        """The experts' activation (kt_sglang.engine.activation.Glu), from the family and config."""
+        return self.family.glu(self.config)
+
+    def layer_biases(self, layer: int, experts: list[int]):
+        """gate, up ``[n, I]`` and down ``[n, H]`` fp32 biases of the given experts (gpt-oss); None
+        where the model has none."""
+        if not self.family.fused_mxfp4:
+            return None, None, None
+        return mxfp4_checkpoint.read_fused_biases(self, layer, experts)
 
     def layer_native_experts(
         self, layer: int, experts: list[int], method: Method
@@ -441,6 +472,9 @@ class Checkpoint:
         checkpoint's values as they are (``MethodInfo.checkpoint_format``)."""
         if self._checkpoint_format(method) == "fp8":
             return self.layer_fp8_experts(layer, experts, method)
+        if self._checkpoint_format(method) == mxfp4_checkpoint.FORMAT and self.family.fused_mxfp4:
+            self._check_native_format(layer, method)
+            return mxfp4_checkpoint.read_fused_layer(self, layer, experts)
         read = self._int4_reader(layer, method)
         gate, up, down = [], [], []
         for e in experts:
@@ -452,6 +486,11 @@ class Checkpoint:
         """Yields (gate, up, down) canonical matrices expert by expert (the converter's stream)."""
         if self._checkpoint_format(method) == "fp8":
             yield from self.iter_fp8_experts(layer, method)
+            return
+        if self._checkpoint_format(method) == mxfp4_checkpoint.FORMAT and self.family.fused_mxfp4:
+            self._check_native_format(layer, method)
+            for e in range(self.spec.num_experts):
+                yield tuple(m[0] for m in mxfp4_checkpoint.read_fused_layer(self, layer, [e]))
             return
         read = self._int4_reader(layer, method)
         for e in range(self.spec.num_experts):
@@ -465,26 +504,46 @@ class Checkpoint:
             raise ValueError(f"{method.value} quantizes dense weights; it reads no checkpoint format as is")
         return fmt
 
-    def _int4_reader(self, layer: int, method: Method):
-        """A function expert -> (gate, up, down) canonical matrices of an INT4 checkpoint's layer,
-        after checking the layer, the format and the config's scheme once."""
+    def _check_native_format(self, layer: int, method: Method) -> str:
+        """The method's checkpoint format, after checking that the layer's experts are stored so."""
         from kt_sglang.engine.methods import METHODS
 
         fmt = self._checkpoint_format(method)
-        spec, fam = self.spec, self.family
+        spec = self.spec
         if layer not in spec.moe_layers:
             raise CheckpointError(
                 f"layer {layer} is not an MoE layer of {self.path.name} (MoE layers: {list(spec.moe_layers)})"
             )
-        found = self.expert_format(layer) if self._per_expert(layer) else "fused dense"
+        per_expert = self._per_expert(layer) or self.family.fused_mxfp4
+        found = self.expert_format(layer) if per_expert else "fused dense"
         if found != fmt:
             fits = [m.value for m, i in METHODS.items() if i.checkpoint_format == found]
             raise CheckpointError(
                 f"layer {layer} of {self.path}: {method.value} reads {fmt} experts, and these are "
                 f"{found}; use {' or '.join(fits) or 'a method that quantizes (AMXINT8, AMXINT4, ...)'}"
             )
+        return fmt
+
+    def _int4_reader(self, layer: int, method: Method):
+        """A function expert -> (gate, up, down) canonical matrices of a per-expert INT4 or MXFP4
+        checkpoint's layer, after checking the layer, the format and the config's scheme once."""
+        fmt = self._check_native_format(layer, method)
+        spec, fam = self.spec, self.family
         I, H = spec.intermediate_size, spec.hidden_size
         shapes = {"gate": (I, H), "up": (I, H), "down": (H, I)}
+        if fmt == mxfp4_checkpoint.FORMAT:
+
+            def read_mxfp4(e: int):
+                mats = []
+                for proj, shape in shapes.items():
+                    name = self._resolve(fam.experts[proj], layer=layer, expert=e)
+                    if name is None:
+                        missing = fam.experts[proj].format(layer=layer, expert=e)
+                        raise CheckpointError(f"expert tensor {missing} is missing from {self.path}")
+                    mats.append(mxfp4_checkpoint.read_expert(self, name, shape))
+                return tuple(mats)
+
+            return read_mxfp4
         first = int4_checkpoint.base_name(self, fam.experts["gate"], layer=layer, expert=0)
         scheme = int4_checkpoint.read_scheme(self, fmt, first)
 

@@ -22,8 +22,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from kt_sglang.engine.activation import SILU
 from kt_sglang.engine.canonical import quantize
 from kt_sglang.engine.methods import METHODS, Method, method_names, parse_method, resolve_group
+from kt_sglang.weights import int4_checkpoint
 from kt_sglang.weights.canonical_files import (
     INDEX,
     MANIFEST,
@@ -175,14 +177,20 @@ def convert(args: argparse.Namespace) -> Path:
     args.input_type = found
     # A method that reads the checkpoint's format keeps its values as they are: the output is a
     # cache of the checkpoint's experts in the canonical layout, not a requantization.
+    if any(b is not None for b in ckpt.layer_biases(first, [0])) or ckpt.activation() != SILU:
+        raise CheckpointError(
+            f"{args.input_path}: {ckpt.family.family} experts have biases or the activation "
+            f"{ckpt.activation()}, which converted directories do not record; serve the checkpoint "
+            "itself (--kt-weight-path <its directory>)"
+        )
     as_is = METHODS[method].checkpoint_format == fmt
-    if as_is and fmt != "fp8" and args.group_size is None:
+    if as_is and fmt in int4_checkpoint.FORMATS and args.group_size is None:
         args.group_size = ckpt.int4_group(first, method)
     group = resolve_group(method, args.group_size)
     if as_is or not METHODS[method].quantizes_dense:
         # names, dtypes, scales, block or group size: fail before writing
         mats = ckpt.layer_native_experts(first, [0], method)
-        if fmt != "fp8" and ckpt.int4_group(first, method) != group:
+        if fmt in int4_checkpoint.FORMATS and ckpt.int4_group(first, method) != group:
             raise CheckpointError(
                 f"--group-size {group} does not match the checkpoint's group size "
                 f"{ckpt.int4_group(first, method)} ({method.value} keeps the checkpoint's values)"

@@ -21,6 +21,28 @@ class ModelFamily:
     experts: dict[str, str]  # gate / up / down -> name pattern with {layer} and {expert}
     fused_experts: dict[str, str]  # gate_up / down -> name pattern with {layer}
     fused_layout: dict[str, str]  # gate_up / down -> one of FUSED_LAYOUTS: shapes cannot tell when H == 2I
+    # MXFP4 experts fused per layer as gpt-oss ships them: gate_up / down -> name prefix with {layer}
+    # of `_blocks`, `_scales` and `_bias`; gate_up_rows "interleaved" (gate = even rows) or "halves".
+    fused_mxfp4: dict[str, str]
+    # The experts' activation (kt_sglang.engine.activation.Glu): kind, and limit / alpha as numbers
+    # or config keys with defaults ({"key": ..., "default": ...}); empty: silu.
+    activation: dict
+
+    def glu(self, config: dict):
+        """The activation this family's experts use, with the values of ``config``."""
+        from kt_sglang.engine.activation import SILU, Glu
+
+        if not self.activation:
+            return SILU
+
+        def value(spec, default):
+            if isinstance(spec, dict):
+                found = config.get(spec["key"])
+                return float(spec.get("default", default) if found is None else found)
+            return float(default if spec is None else spec)
+
+        a = self.activation
+        return Glu(a.get("kind", "silu"), value(a.get("limit"), 0.0), value(a.get("alpha"), 1.702))
 
     def fused_transposed(self, proj: str) -> bool:
         return self.fused_layout[proj] == FUSED_LAYOUTS[proj][1]
@@ -72,6 +94,8 @@ def load_families() -> tuple[ModelFamily, ...]:
                 experts=dict(data["experts"]),
                 fused_experts=fused,
                 fused_layout=layout,
+                fused_mxfp4=dict(data.get("fused_mxfp4", {})),
+                activation=dict(data.get("activation", {})),
             )
         )
     if not families:

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
 PACK_QUANTIZED = "pack-quantized"
 GPTQ = "gptq"
+FORMATS = (PACK_QUANTIZED, GPTQ)
 
 _SUFFIXES = {
     PACK_QUANTIZED: ("weight_packed", "weight_scale", "weight_shape"),
