@@ -54,7 +54,8 @@ def _packed(method, group, w):
         canon = quantize(method, w.bfloat16(), group)
     else:
         canon = random_canonical(method, N, K, group, seed=N + K)
-    tensors = [canon.weight, canon.scales, canon.mins if canon.zeros is None else canon.zeros]
+    third = next((t for t in (canon.mins, canon.zeros, canon.global_scale) if t is not None), None)
+    tensors = [canon.weight, canon.scales, third]
     packed = torch.zeros(
         _native.packed_bytes(getattr(_native.Method, method), group, N, K), dtype=torch.uint8
     )

@@ -36,6 +36,7 @@ class CanonicalMatrix:
     scales: torch.Tensor | None = None
     mins: torch.Tensor | None = None
     zeros: torch.Tensor | None = None
+    global_scale: torch.Tensor | None = None
 
 
 def canonical_layout(
@@ -73,6 +74,8 @@ def dequantize(
     if m.zeros is not None:
         q = q - expand(m.zeros)
     out = q if m.scales is None else q * expand(m.scales)
+    if m.global_scale is not None:
+        out = out * m.global_scale.float()
     return out if m.mins is None else out + expand(m.mins)
 
 
@@ -124,6 +127,10 @@ def random_canonical(
         elif name == "scales" and dtype == torch.float8_e8m0fnu:  # e2m1 values spread about 2.9
             e = torch.randint(-1, 2, shape, generator=gen) + 127 - round(math.log2(2.9 * K**0.5))
             out[name] = e.to(torch.uint8).view(torch.float8_e8m0fnu)
+        elif name == "scales" and dtype == torch.float8_e4m3fn:  # times global_scale 2^-4
+            out[name] = ((0.5 + torch.rand(shape, generator=gen)) * 16 / (2.9 * K**0.5)).to(dtype)
+        elif name == "global_scale":
+            out[name] = torch.full(shape, 1 / 16)
         elif name == "scales":  # nibbles minus their zero spread about 4.6
             out[name] = ((0.5 + torch.rand(shape, generator=gen)) / (4.6 * K**0.5)).to(dtype)
         else:

@@ -53,10 +53,11 @@ class TensorSpec:
 
     name: str
     dtype: torch.dtype
-    shape: str  # "N,K", "N,K/2", "N,K/group", "N/group,K/group" or "N" (each division rounds up)
+    shape: str  # "N,K", "N,K/2", "N,K/group", "N/group,K/group", "N" or "1" (divisions round up)
 
     def shape_for(self, N: int, K: int, group: int) -> tuple[int, ...]:
         sizes = {"N": N, "K": K, "K/2": -(-K // 2), "K/group": -(-K // group), "N/group": -(-N // group)}
+        sizes["1"] = 1
         return tuple(sizes[part] for part in self.shape.split(","))
 
 

@@ -168,7 +168,7 @@ def write_layer(
     for e, mats in enumerate(experts):
         for proj in PROJECTIONS:
             m = mats[proj]
-            for part in ("weight", "scales", "mins", "zeros"):
+            for part in ("weight", "scales", "mins", "zeros", "global_scale"):
                 t = getattr(m, part)
                 if t is not None:
                     tensors[f"experts.{e}.{proj}.{part}"] = t.contiguous()

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors import safe_open
 
-from kt_sglang.weights import int4_checkpoint, mxfp4_checkpoint
+from kt_sglang.weights import int4_checkpoint, mxfp4_checkpoint, nvfp4_checkpoint
 from kt_sglang.weights.families import ModelFamily, family_for
 
 # The format name in the manifest, shards and index that `kt-sglang convert-cpu` writes (canonical_files).
@@ -294,11 +294,18 @@ class Checkpoint:
         return bool(
             self._resolve(gate, layer=layer, expert=expert)
             or int4_checkpoint.base_name(self, gate, layer=layer, expert=expert)
+            or nvfp4_checkpoint.base_name(self, gate, layer=layer, expert=expert)
         )
 
     def _expert_stack(self, pattern: str, layer: int, ids: list[int], shape: tuple[int, int]) -> torch.Tensor:
         mats = []
         for e in ids:
+            nv = nvfp4_checkpoint.base_name(self, pattern, layer=layer, expert=e)
+            if nv is not None:  # NVFP4 read by a method that quantizes: its values in fp32
+                from kt_sglang.engine.canonical import dequantize
+
+                mats.append(dequantize("NVFP4", nvfp4_checkpoint.read_expert(self, nv, shape), shape[1]))
+                continue
             name = self._resolve(pattern, layer=layer, expert=e)
             base = None if name else int4_checkpoint.base_name(self, pattern, layer=layer, expert=e)
             if base is not None:  # an INT4 checkpoint read by a method that quantizes: its values in fp32
@@ -429,6 +436,9 @@ class Checkpoint:
         packed INT4 formats)."""
         fam = self.family
         name = self._resolve(fam.experts["gate"], layer=layer, expert=0) if fam.experts else None
+        nv = fam.experts and nvfp4_checkpoint.base_name(self, fam.experts["gate"], layer=layer, expert=0)
+        if nv:
+            name = nv + (".weight" if self.has(nv + ".weight") else ".weight_packed")
         if name is None and fam.experts:
             base = int4_checkpoint.base_name(self, fam.experts["gate"], layer=layer, expert=0)
             fmt = base and int4_checkpoint.detect_format(self, base + ".weight")
@@ -446,6 +456,8 @@ class Checkpoint:
         fam = self.family
         if fam.fused_mxfp4:
             return mxfp4_checkpoint.FORMAT
+        if fam.experts and nvfp4_checkpoint.base_name(self, fam.experts["gate"], layer=layer, expert=0):
+            return nvfp4_checkpoint.FORMAT
         base = fam.experts and int4_checkpoint.base_name(self, fam.experts["gate"], layer=layer, expert=0)
         if base:
             return int4_checkpoint.detect_format(self, base + ".weight")
@@ -531,6 +543,19 @@ class Checkpoint:
         spec, fam = self.spec, self.family
         I, H = spec.intermediate_size, spec.hidden_size
         shapes = {"gate": (I, H), "up": (I, H), "down": (H, I)}
+        if fmt == nvfp4_checkpoint.FORMAT:
+
+            def read_nvfp4(e: int):
+                mats = []
+                for proj, shape in shapes.items():
+                    base = nvfp4_checkpoint.base_name(self, fam.experts[proj], layer=layer, expert=e)
+                    if base is None:
+                        missing = fam.experts[proj].format(layer=layer, expert=e)
+                        raise CheckpointError(f"NVFP4 tensors of {missing} are missing from {self.path}")
+                    mats.append(nvfp4_checkpoint.read_expert(self, base, shape))
+                return tuple(mats)
+
+            return read_nvfp4
         if fmt == mxfp4_checkpoint.FORMAT:
 
             def read_mxfp4(e: int):

@@ -43,10 +43,10 @@ from kt_sglang.weights.canonical_files import (
 from kt_sglang.weights.checkpoint import Checkpoint, CheckpointError
 
 # --input-type: the experts' stored form. "int4" is either INT4 format (compressed-tensors
-# pack-quantized, GPTQ), told apart by the tensors' names.
-INPUT_TYPES = ("bf16", "fp16", "fp8", "int4")
+# pack-quantized, GPTQ), "fp4" MXFP4 or NVFP4, told apart by the tensors' names and dtypes.
+INPUT_TYPES = ("bf16", "fp16", "fp8", "int4", "fp4")
 _DENSE_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
-_FORMAT_TYPES = {"fp8": "fp8", "pack-quantized": "int4", "gptq": "int4"}
+_FORMAT_TYPES = {"fp8": "fp8", "pack-quantized": "int4", "gptq": "int4", "mxfp4": "fp4", "nvfp4": "fp4"}
 
 
 def _method_arg(name: str) -> Method:

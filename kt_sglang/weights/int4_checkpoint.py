@@ -48,7 +48,8 @@ def packed_suffix(fmt: str) -> str:
 
 def detect_format(ckpt: Checkpoint, weight_name: str) -> str | None:
     """PACK_QUANTIZED or GPTQ when the linear whose weight would be ``weight_name`` (``....weight``)
-    is stored so, else None."""
+    is stored so, else None (compressed-tensors' NVFP4 has a weight_packed too: callers ask
+    nvfp4_checkpoint first)."""
     base = weight_name.removesuffix(".weight")
     for fmt, suffixes in _SUFFIXES.items():
         if ckpt.has(f"{base}.{suffixes[0]}"):

@@ -36,7 +36,12 @@ CanonicalMatrix canonical(Method method, int64_t N, int64_t K, int group, uintpt
 
 const char* const kTensorDTypes[] = {"bfloat16", "float16",       "float32",       "int8",
                                      "uint8",    "float8_e4m3fn", "float8_e8m0fnu"};
-const char* const kTensorShapes[] = {"N,K", "N,K/2", "N,K/group", "N/group,K/group", "N"};
+const char* const kTensorShapes[] = {"N,K", "N,K/2", "N,K/group", "N/group,K/group", "N", "1"};
+
+// K padded as a layer pads it: to the group and to 64.
+int64_t padded_k(int64_t K, int group) {
+  return round_up(K, std::max<int64_t>(group, kKAlign));
+}
 
 // Scratch shared by the layers of one runner; opaque to Python.
 struct Workspace {
@@ -162,16 +167,16 @@ PYBIND11_MODULE(_native, m) {
       "packed_bytes",
       [](Method method, int group, int64_t N, int64_t K) {
         return packed_matrix_bytes(method, group,
-                                   PackRegion{0, round_up(N, kPanelWidth), 0, round_up(K, group)});
+                                   PackRegion{0, round_up(N, kPanelWidth), 0, padded_k(K, group)});
       },
-      "Bytes of one packed [N, K] matrix (N padded to 16 channels, K to the group).");
+      "Bytes of one packed [N, K] matrix (N padded to 16 channels, K as a layer pads it).");
   m.def(
       "pack_matrix",
       [](Method method, int group, int64_t N, int64_t K, uintptr_t weight, uintptr_t scales, uintptr_t mins,
          uintptr_t out) {
         const CanonicalMatrix src = canonical(method, N, K, group, weight, scales, mins);
         if (!src.complete()) throw std::invalid_argument("pack_matrix: a tensor of the method is missing");
-        const PackRegion region{0, round_up(N, kPanelWidth), 0, round_up(K, group)};
+        const PackRegion region{0, round_up(N, kPanelWidth), 0, padded_k(K, group)};
         py::gil_scoped_release release;
         pack_panels(src, region, 0, region.rows / kPanelWidth, ptr<uint8_t>(out));
       },

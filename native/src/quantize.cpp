@@ -228,36 +228,6 @@ void check_finite(const CanonicalMatrix& m) {
   const int64_t groups = m.num_groups(), blocks = (m.N + m.group - 1) / m.group;
   for (int i = 0; i < 3; ++i) {
     if (!spec[i].name) continue;
-    DType dtype;
-    switch (spec[i].dtype) {
-      case TensorDType::kBf16:
-        dtype = DType::kBFloat16;
-        break;
-      case TensorDType::kFp16:
-        dtype = DType::kFloat16;
-        break;
-      case TensorDType::kFp32:
-        dtype = DType::kFloat32;
-        break;
-      case TensorDType::kFp8E4m3: {  // e4m3fn has no inf; S.1111.111 is NaN
-        const int64_t n = m.N * m.K;
-        const int64_t at = first_all_set(static_cast<const uint8_t*>(tensors[i]), n, uint8_t{0x7f});
-        if (at >= 0)
-          throw std::invalid_argument(std::string(spec[i].name) + " at row " + std::to_string(at / m.K) +
-                                      ", column " + std::to_string(at % m.K) + " is NaN");
-        continue;
-      }
-      case TensorDType::kE8m0: {  // 255 is e8m0's NaN (and it has no inf)
-        const int64_t at =
-            first_all_set(static_cast<const uint8_t*>(tensors[i]), m.N * groups, uint8_t{0xff});
-        if (at >= 0)
-          throw std::invalid_argument(std::string(spec[i].name) + " at row " + std::to_string(at / groups) +
-                                      ", column " + std::to_string(at % groups) + " is NaN (e8m0 255)");
-        continue;
-      }
-      default:
-        continue;  // integers have no inf or NaN
-    }
     int64_t rows = m.N, cols = 1;
     switch (spec[i].shape) {
       case TensorShape::kNK:
@@ -274,6 +244,36 @@ void check_finite(const CanonicalMatrix& m) {
         break;
       case TensorShape::kN:
         break;
+      case TensorShape::kOne:
+        rows = 1;
+        break;
+    }
+    // A NaN code of a one-byte float: e4m3fn's S.1111.111 (it has no inf), e8m0's 255.
+    auto refuse_code = [&](uint8_t nan_bits, const char* what) {
+      const int64_t at = first_all_set(static_cast<const uint8_t*>(tensors[i]), rows * cols, nan_bits);
+      if (at >= 0)
+        throw std::invalid_argument(std::string(spec[i].name) + " at row " + std::to_string(at / cols) +
+                                    ", column " + std::to_string(at % cols) + " is NaN" + what);
+    };
+    DType dtype;
+    switch (spec[i].dtype) {
+      case TensorDType::kBf16:
+        dtype = DType::kBFloat16;
+        break;
+      case TensorDType::kFp16:
+        dtype = DType::kFloat16;
+        break;
+      case TensorDType::kFp32:
+        dtype = DType::kFloat32;
+        break;
+      case TensorDType::kFp8E4m3:
+        refuse_code(0x7f, "");
+        continue;
+      case TensorDType::kE8m0:
+        refuse_code(0xff, " (e8m0 255)");
+        continue;
+      default:
+        continue;  // integers have no inf or NaN
     }
     const int64_t at = first_non_finite_in(tensors[i], dtype, rows * cols);
     if (at >= 0) throw_non_finite(spec[i].name, at / cols, at % cols, load_as_float(tensors[i], dtype, at));

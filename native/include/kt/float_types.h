@@ -23,6 +23,18 @@ inline float e8m0_to_float(uint8_t e) {
   return f;
 }
 
+// e4m3fn (no infinities; S.1111.111 is NaN) to float, exact.
+inline bool e4m3_is_nan(uint8_t bits) {
+  return (bits & 0x7f) == 0x7f;
+}
+inline float e4m3_to_float(uint8_t bits) {
+  const int exp = (bits >> 3) & 0xf, man = bits & 0x7;
+  if (e4m3_is_nan(bits)) return std::nanf("");
+  const float mag = exp == 0 ? std::ldexp(static_cast<float>(man), -9)
+                             : std::ldexp(1.0f + static_cast<float>(man) / 8.0f, exp - 7);
+  return bits & 0x80 ? -mag : mag;
+}
+
 // Round to nearest even, NaN kept quiet.
 inline uint16_t float_to_bf16(float f) {
   uint32_t u;

@@ -1,6 +1,7 @@
 // One MoE layer's experts on the CPU: packed weights per pool and the forward task.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <memory>
@@ -107,8 +108,9 @@ class MoeLayer {
   void quantize_h(const Chunk& chunk, const WorkerContext& ctx);
   void down(const Chunk& chunk, const WorkerContext& ctx);
   void combine(const Chunk& chunk, const WorkerContext& ctx);
-  // Intermediate channels per gate/up work item: the quantization group (64 for BF16).
-  int64_t h_group() const { return group_; }
+  // Intermediate channels per gate/up work item: the quantization group (64 for BF16), at least 32
+  // (NVFP4's groups of 16 would make items of one panel).
+  int64_t h_group() const { return std::max(group_, 32); }
 
   MoeConfig config_;
   std::shared_ptr<Runner> runner_;

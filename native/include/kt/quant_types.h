@@ -13,11 +13,12 @@
 //         nibble = row r + group/8 (so one AND and one shift give two int8 rows)
 //   FP8:  32-byte row r holds the e4m3 bytes of W[n][2r], W[n][2r+1] for n = 0..15 (BF16's order at
 //         one byte a weight: decoding a row gives one BF16 row)
-//   RAWINT4, GPTQ_INT4, MXFP4: INT4's nibble layout (MXFP4's nibbles are e2m1 codes)
+//   RAWINT4, GPTQ_INT4, MXFP4, NVFP4: INT4's nibble layout (the FP4 methods' nibbles are e2m1 codes)
 // followed by the group's scale block, per channel: INT8 fp16 `scale[16]` (w = scale * (u8 - 128)),
 // INT4 fp16 `scale[16]`, `min[16]` (w = scale * q + min), FP8 fp32 `scale[16]` (w = scale * e4m3),
 // RAWINT4 bf16 `scale[16]` (w = scale * (q - 8)), GPTQ_INT4 fp16 `scale[16]`, fp16 `-zero[16]`
-// (w = scale * (q - zero)), MXFP4 e8m0 `scale[16]` (w = 2^(scale - 127) * e2m1).
+// (w = scale * (q - zero)), MXFP4 e8m0 `scale[16]` (w = 2^(scale - 127) * e2m1), NVFP4 e4m3
+// `scale[16]` then the matrix's fp32 `global` (w = scale * global * e2m1).
 #pragma once
 
 #include <cstdint>
@@ -36,8 +37,9 @@ enum class Method : int {
   kRawInt4 = 5,
   kGptqInt4 = 6,
   kMxfp4 = 7,
+  kNvfp4 = 8,
 };
-inline constexpr int kNumMethods = 8;
+inline constexpr int kNumMethods = 9;
 
 inline constexpr int kPanelWidth = 16;  // output channels per panel
 inline constexpr int kKAlign = 64;      // K and the intermediate slices are padded to this
@@ -62,9 +64,10 @@ enum class TensorShape : int {
   kNGroups = 2,  // [N, ceil(K / g)]: one value per row and group
   kBlocks = 3,   // [ceil(N / g), ceil(K / g)]: one value per g x g block
   kN = 4,        // [N]: one value per row
+  kOne = 5,      // [1]: one value for the matrix
 };
 struct CanonicalTensor {
-  const char* name = nullptr;  // "weight", "scales", "mins" or "zeros"; nullptr: unused slot
+  const char* name = nullptr;  // "weight", "scales", "mins", "zeros" or "global_scale"; nullptr: unused
   TensorDType dtype = TensorDType::kBf16;
   TensorShape shape = TensorShape::kNK;
 };
@@ -84,9 +87,10 @@ struct MethodTraits {
   // activations alone give 0.012-0.018 on random layers (bf16 h: 0.008-0.010; bf16: 0.0023).
   Activation gate_up_input;
   Activation down_input;
-  int weight_bits;       // packed bits per weight
-  int scale_bytes;       // packed scale bytes per channel and group
-  bool quantizes_dense;  // the engine quantizes bf16/fp16/fp32 matrices to it (kt/quantize.h)
+  int weight_bits;        // packed bits per weight
+  int scale_bytes;        // packed scale bytes per channel and group
+  int scale_extra_bytes;  // packed bytes per group after the channels' scales (NVFP4's global)
+  bool quantizes_dense;   // the engine quantizes bf16/fp16/fp32 matrices to it (kt/quantize.h)
   // The stored weight value that stands for zero where no mins or zeros tensor says it (RAWINT4's
   // nibbles hold q + 8); 0 for the others.
   int weight_zero;
@@ -115,6 +119,7 @@ inline constexpr MethodTraits kMethodTable[kNumMethods] = {
      .down_input = Activation::kBf16,
      .weight_bits = 16,
      .scale_bytes = 0,
+     .scale_extra_bytes = 0,
      .quantizes_dense = true,
      .weight_zero = 0,
      .weight_codes = nullptr,
@@ -131,6 +136,7 @@ inline constexpr MethodTraits kMethodTable[kNumMethods] = {
      .down_input = Activation::kBf16,
      .weight_bits = 8,
      .scale_bytes = 2,
+     .scale_extra_bytes = 0,
      .quantizes_dense = true,
      .weight_zero = 0,
      .weight_codes = nullptr,
@@ -148,6 +154,7 @@ inline constexpr MethodTraits kMethodTable[kNumMethods] = {
      .down_input = Activation::kInt8,
      .weight_bits = 4,
      .scale_bytes = 4,
+     .scale_extra_bytes = 0,
      .quantizes_dense = true,
      .weight_zero = 0,
      .weight_codes = nullptr,
@@ -166,6 +173,7 @@ inline constexpr MethodTraits kMethodTable[kNumMethods] = {
      .down_input = Activation::kBf16,
      .weight_bits = 8,
      .scale_bytes = 4,
+     .scale_extra_bytes = 0,
      .quantizes_dense = true,
      .weight_zero = 0,
      .weight_codes = nullptr,
@@ -183,6 +191,7 @@ inline constexpr MethodTraits kMethodTable[kNumMethods] = {
      .down_input = Activation::kBf16,
      .weight_bits = 8,
      .scale_bytes = 4,
+     .scale_extra_bytes = 0,
      .quantizes_dense = true,
      .weight_zero = 0,
      .weight_codes = nullptr,
@@ -201,6 +210,7 @@ inline constexpr MethodTraits kMethodTable[kNumMethods] = {
      .down_input = Activation::kBf16,
      .weight_bits = 4,
      .scale_bytes = 2,
+     .scale_extra_bytes = 0,
      .quantizes_dense = false,
      .weight_zero = 8,
      .weight_codes = nullptr,
@@ -218,6 +228,7 @@ inline constexpr MethodTraits kMethodTable[kNumMethods] = {
      .down_input = Activation::kBf16,
      .weight_bits = 4,
      .scale_bytes = 4,
+     .scale_extra_bytes = 0,
      .quantizes_dense = false,
      .weight_zero = 0,
      .weight_codes = nullptr,
@@ -237,12 +248,33 @@ inline constexpr MethodTraits kMethodTable[kNumMethods] = {
      .down_input = Activation::kBf16,
      .weight_bits = 4,
      .scale_bytes = 1,
+     .scale_extra_bytes = 0,
      .quantizes_dense = false,
      .weight_zero = 0,
      .weight_codes = "e2m1",
      .checkpoint_format = "mxfp4",
      .tensors = {{"weight", TensorDType::kUint8, TensorShape::kNHalfK},
                  {"scales", TensorDType::kE8m0, TensorShape::kNGroups}},
+     .error_bound = 0.01f},
+    {.method = Method::kNvfp4,
+     .name = "NVFP4",
+     .aliases = {nullptr, nullptr},
+     .summary = "float4 e2m1 weights with an e4m3 scale per 16 of K and an fp32 scale per matrix, as "
+                "ModelOpt and compressed-tensors checkpoints ship them",
+     .default_group = 16,
+     .allowed_groups = {16, 0, 0},
+     .gate_up_input = Activation::kBf16,
+     .down_input = Activation::kBf16,
+     .weight_bits = 4,
+     .scale_bytes = 1,
+     .scale_extra_bytes = 4,
+     .quantizes_dense = false,
+     .weight_zero = 0,
+     .weight_codes = "e2m1",
+     .checkpoint_format = "nvfp4",
+     .tensors = {{"weight", TensorDType::kUint8, TensorShape::kNHalfK},
+                 {"scales", TensorDType::kFp8E4m3, TensorShape::kNGroups},
+                 {"global_scale", TensorDType::kFp32, TensorShape::kOne}},
      .error_bound = 0.01f},
 };
 
@@ -277,7 +309,7 @@ constexpr int64_t group_weight_bytes(Method m, int group) {
   return int64_t{kPanelWidth} * group * method_traits(m).weight_bits / 8;
 }
 constexpr int64_t group_scale_bytes(Method m) {
-  return int64_t{kPanelWidth} * method_traits(m).scale_bytes;
+  return int64_t{kPanelWidth} * method_traits(m).scale_bytes + method_traits(m).scale_extra_bytes;
 }
 constexpr int64_t group_bytes(Method m, int group) {
   return group_weight_bytes(m, group) + group_scale_bytes(m);

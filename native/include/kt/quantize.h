@@ -13,6 +13,8 @@
 //                   zeros uint8 [N, G]                                           w = scale * (q - zero)
 //   MXFP4:          weight uint8 [N, ceil(K/2)] e2m1 codes, low nibble = even k,
 //                   scales uint8 [N, G] e8m0                                     w = 2^(scale-127) * e2m1
+//   NVFP4:          weight as MXFP4's, scales e4m3 [N, G] (groups of 16),
+//                   global_scale fp32 [1]                                        w = scale * global * e2m1
 // with G = ceil(K / group). docs/weight-format.md describes the files built from them.
 #pragma once
 
@@ -29,7 +31,7 @@ struct CanonicalMatrix {
   int group = 0;
   void* weight = nullptr;  // row-major, of the method's weight dtype
   void* scales = nullptr;  // quantized methods
-  void* mins = nullptr;    // the third tensor: AMXINT4's mins, GPTQ_INT4's zeros
+  void* mins = nullptr;    // the third tensor: AMXINT4's mins, GPTQ_INT4's zeros, NVFP4's global_scale
   int64_t num_groups() const { return (K + group - 1) / group; }
   int64_t weight_row_bytes() const;
   // Whether the tensors the method needs are all there.

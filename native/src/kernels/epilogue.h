@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 
 #include "kt/float_types.h"
 #include "kt/quant_types.h"
@@ -19,7 +20,7 @@ namespace kt::kernels {
 // kernels (src/methods/<method>/) and must never reach an integer branch.
 template <Method M>
 inline constexpr bool kIntegerMethod = M == Method::kInt8 || M == Method::kInt4 || M == Method::kRawInt4 ||
-                                       M == Method::kGptqInt4 || M == Method::kMxfp4;
+                                       M == Method::kGptqInt4 || M == Method::kMxfp4 || M == Method::kNvfp4;
 // Whether a method's packed weights are INT4's nibbles (else INT8's bytes).
 template <Method M>
 inline constexpr bool kNibbles = kIntegerMethod<M> && method_traits(M).weight_bits == 4;
@@ -27,7 +28,14 @@ inline constexpr bool kNibbles = kIntegerMethod<M> && method_traits(M).weight_bi
 // e2m1 values are the integers -12..12, so these methods run the integer A16 kernels exactly, with
 // half the scale.
 template <Method M>
-inline constexpr bool kLookupNibbles = M == Method::kMxfp4;
+inline constexpr bool kLookupNibbles = M == Method::kMxfp4 || M == Method::kNvfp4;
+
+// NVFP4's matrix scale, stored after each group's 16 channel scales.
+inline float nvfp4_global(const uint8_t* block) {
+  float g;
+  std::memcpy(&g, block + kPanelWidth, 4);
+  return g;
+}
 inline constexpr int8_t kE2m1Twice[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
 // Each integer method's scale block (quant_types.h) as the scale ws and offset wm of the epilogue.
@@ -36,12 +44,13 @@ struct GroupScales {
   static_assert(kIntegerMethod<M>);
   static float scale(const uint8_t* block, int n) {
     if constexpr (M == Method::kMxfp4) return 0.5f * e8m0_to_float(block[n]);  // weights are 2 x e2m1
+    if constexpr (M == Method::kNvfp4) return 0.5f * e4m3_to_float(block[n]) * nvfp4_global(block);
     const uint16_t bits = reinterpret_cast<const uint16_t*>(block)[n];
     if constexpr (M == Method::kRawInt4) return bf16_to_float(bits);
     return fp16_to_float(bits);
   }
   static float offset(const uint8_t* block, int n) {
-    if constexpr (M == Method::kMxfp4) return 0.0f;
+    if constexpr (M == Method::kMxfp4 || M == Method::kNvfp4) return 0.0f;
     if constexpr (M == Method::kInt8) return -128.0f * scale(block, n);
     if constexpr (M == Method::kRawInt4) return -float{method_traits(M).weight_zero} * scale(block, n);
     const float second = fp16_to_float(reinterpret_cast<const uint16_t*>(block)[kPanelWidth + n]);

@@ -20,14 +20,16 @@ inline void with_count(int n, F&& f) {
   }(std::make_integer_sequence<int, kMax>{});
 }
 
-// Calls f(std::integral_constant<int, group>) for the quantization groups of 32, 64 and 128 (the
-// only ones a layer accepts): a group known at compile time lets the compiler unroll the group's
+// Calls f(std::integral_constant<int, group>) for the quantization groups of 16 (NVFP4), 32, 64 and
+// 128 (the only ones a layer accepts): a group known at compile time lets the compiler unroll the group's
 // loops and keep its accumulators in registers, where a run-time group left the INT4 single-row
 // pass with its sums on the stack (one core: 24 GB/s against 32).
 template <class F>
 inline void with_group(int group, F&& f) {
   using std::integral_constant;
   switch (group) {
+    case 16:  // NVFP4 (its A16 kernels only)
+      return f(integral_constant<int, 16>{});
     case 32:
       return f(integral_constant<int, 32>{});
     case 64:

@@ -9,6 +9,7 @@
 #include "fp8/fp8.h"
 #include "int4_checkpoint/int4_checkpoint.h"
 #include "mxfp4/mxfp4.h"
+#include "nvfp4/nvfp4.h"
 
 namespace kt {
 
@@ -36,6 +37,7 @@ constexpr MethodOps kOps[kNumMethods] = {
     {int4_checkpoint::pack_group_rawint4, nullptr},  // RAWINT4
     {int4_checkpoint::pack_group_gptq, nullptr},     // GPTQ_INT4
     {mxfp4::pack_group, nullptr},                    // MXFP4
+    {nvfp4::pack_group, nullptr},                    // NVFP4
 };
 
 // Per method in ascending ISA order: a higher family's row replaces a lower one's where usable.
@@ -59,15 +61,18 @@ constexpr KernelRow kKernels[] = {
     {Method::kFp8PerChannel, Isa::kScalar, always, nullptr, k::scalar::gemm_fp8},
     {Method::kFp8PerChannel, Isa::kAvx2, always, nullptr, k::avx2::gemm_fp8},
     {Method::kFp8PerChannel, Isa::kAvx512, has_avx512_bf16_vbmi, nullptr, k::avx512::gemm_fp8},
-    {Method::kRawInt4, Isa::kScalar, always, k::scalar::gemm_rawint4, k::scalar::gemm_rawint4_a16},
-    {Method::kRawInt4, Isa::kAvx2, always, k::avx2::gemm_rawint4, k::avx2::gemm_rawint4_a16},
-    {Method::kRawInt4, Isa::kAvx512, has_avx512_vnni, k::avx512::gemm_rawint4, k::avx512::gemm_rawint4_a16},
-    {Method::kGptqInt4, Isa::kScalar, always, k::scalar::gemm_gptq, k::scalar::gemm_gptq_a16},
-    {Method::kGptqInt4, Isa::kAvx2, always, k::avx2::gemm_gptq, k::avx2::gemm_gptq_a16},
-    {Method::kGptqInt4, Isa::kAvx512, has_avx512_vnni, k::avx512::gemm_gptq, k::avx512::gemm_gptq_a16},
+    {Method::kRawInt4, Isa::kScalar, always, nullptr, k::scalar::gemm_rawint4},
+    {Method::kRawInt4, Isa::kAvx2, always, nullptr, k::avx2::gemm_rawint4},
+    {Method::kRawInt4, Isa::kAvx512, has_avx512_vnni, nullptr, k::avx512::gemm_rawint4},
+    {Method::kGptqInt4, Isa::kScalar, always, nullptr, k::scalar::gemm_gptq},
+    {Method::kGptqInt4, Isa::kAvx2, always, nullptr, k::avx2::gemm_gptq},
+    {Method::kGptqInt4, Isa::kAvx512, has_avx512_vnni, nullptr, k::avx512::gemm_gptq},
     {Method::kMxfp4, Isa::kScalar, always, nullptr, k::scalar::gemm_mxfp4},
     {Method::kMxfp4, Isa::kAvx2, always, nullptr, k::avx2::gemm_mxfp4},
     {Method::kMxfp4, Isa::kAvx512, has_avx512_vnni, nullptr, k::avx512::gemm_mxfp4},
+    {Method::kNvfp4, Isa::kScalar, always, nullptr, k::scalar::gemm_nvfp4},
+    {Method::kNvfp4, Isa::kAvx2, always, nullptr, k::avx2::gemm_nvfp4},
+    {Method::kNvfp4, Isa::kAvx512, has_avx512_vnni, nullptr, k::avx512::gemm_nvfp4},
 };
 
 std::string upper(std::string_view s) {

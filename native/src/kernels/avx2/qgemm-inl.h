@@ -24,11 +24,28 @@ namespace kt::kernels::avx2 {
 // the 16 registers (Zen 4, Qwen3 at 512 tokens: 3 rows x0.97-0.99, 5 rows x0.97-1.00).
 inline constexpr int kTileRows = 4;
 
+// 8 e4m3 bytes as fp32, exactly (as ../avx512/qgemm-inl.h's e4m3_to_ps).
+inline __m256 e4m3_to_ps(__m128i bytes) {
+  const __m256i b = _mm256_cvtepu8_epi32(bytes);
+  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 24);
+  const __m256i mag = _mm256_and_si256(b, _mm256_set1_epi32(0x7f));
+  const __m256 normal =
+      _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(mag, 20), _mm256_set1_epi32(120 << 23)));
+  const __m256 subnormal = _mm256_mul_ps(_mm256_cvtepi32_ps(mag), _mm256_set1_ps(0x1p-9f));
+  const __m256 is_subnormal = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(8), mag));
+  const __m256 v = _mm256_blendv_ps(normal, subnormal, is_subnormal);
+  return _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(v), sign));
+}
+
 // Half h (channels 8h..8h+7) of one group's scale ws and offset wm (../epilogue.h).
 template <Method M>
 inline std::pair<__m256, __m256> group_scales(const uint8_t* block, int h) {
   auto load8 = [&](int offset) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + offset)); };
-  if constexpr (M == Method::kMxfp4) {  // e8m0 bytes: 2^(e - 127), halved as the weights are 2 x e2m1
+  if constexpr (M == Method::kNvfp4) {  // e4m3 bytes times the matrix's scale, halved (2 x e2m1)
+    const __m128i codes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 8 * h));
+    return {_mm256_mul_ps(e4m3_to_ps(codes), _mm256_set1_ps(0.5f * nvfp4_global(block))),
+            _mm256_setzero_ps()};
+  } else if constexpr (M == Method::kMxfp4) {  // e8m0 bytes: 2^(e - 127), halved as the weights are 2 x e2m1
     const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 8 * h)));
     return {_mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(e, 23)), _mm256_set1_ps(0.5f)),
             _mm256_setzero_ps()};

@@ -13,13 +13,31 @@
 
 namespace kt::kernels::avx512 {
 
+// 16 e4m3 bytes as fp32, exactly (NaN codes are refused at load): normal codes move their exponent
+// and mantissa bits into place, subnormal ones (exponent 0) are mantissa * 2^-9.
+inline __m512 e4m3_to_ps(__m128i bytes) {
+  const __m512i b = _mm512_cvtepu8_epi32(bytes);
+  const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24);
+  const __m512i mag = _mm512_and_si512(b, _mm512_set1_epi32(0x7f));
+  const __m512 normal =
+      _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(mag, 20), _mm512_set1_epi32(120 << 23)));
+  const __m512 subnormal = _mm512_mul_ps(_mm512_cvtepi32_ps(mag), _mm512_set1_ps(0x1p-9f));
+  const __mmask16 is_subnormal = _mm512_cmplt_epi32_mask(mag, _mm512_set1_epi32(8));
+  const __m512 v = _mm512_mask_blend_ps(is_subnormal, normal, subnormal);
+  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(v), sign));
+}
+
 // The 16 channels' scale ws and offset wm of one group (../epilogue.h), from its scale block.
 template <Method M>
 inline std::pair<__m512, __m512> group_scales(const uint8_t* block) {
   auto load16 = [&](int offset) {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + offset));
   };
-  if constexpr (M == Method::kMxfp4) {  // e8m0 bytes: 2^(e - 127), halved as the weights are 2 x e2m1
+  if constexpr (M == Method::kNvfp4) {  // e4m3 bytes times the matrix's scale, halved (2 x e2m1)
+    const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block));
+    return {_mm512_mul_ps(e4m3_to_ps(codes), _mm512_set1_ps(0.5f * nvfp4_global(block))),
+            _mm512_setzero_ps()};
+  } else if constexpr (M == Method::kMxfp4) {  // e8m0 bytes: 2^(e - 127), halved as the weights are 2 x e2m1
     const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block)));
     return {_mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(e, 23)), _mm512_set1_ps(0.5f)),
             _mm512_setzero_ps()};

@@ -20,13 +20,9 @@ namespace kt::fp8 {
 
 inline constexpr int kBlock = 128;  // K-values per packed group; FP8's scale blocks are 128 x 128
 
-// e4m3fn (no infinities; S.1111.111 is NaN) to float, exact.
-float e4m3_to_float(uint8_t bits);
-// Round to nearest even, saturating at +-448 (the largest finite e4m3fn).
+// Round to nearest even, saturating at +-448 (the largest finite e4m3fn). (e4m3_to_float and
+// e4m3_is_nan: kt/float_types.h.)
 uint8_t float_to_e4m3(float x);
-inline bool e4m3_is_nan(uint8_t bits) {
-  return (bits & 0x7f) == 0x7f;
-}
 
 // Byte offset in a packed group of row r (K-values 2r, 2r + 1), channel n, K-value 2r + j.
 constexpr int64_t packed_offset(int r, int n, int j) {

@@ -10,14 +10,6 @@
 
 namespace kt::fp8 {
 
-float e4m3_to_float(uint8_t bits) {
-  const int exp = (bits >> 3) & 0xf, man = bits & 0x7;
-  if (e4m3_is_nan(bits)) return std::nanf("");
-  const float mag = exp == 0 ? std::ldexp(static_cast<float>(man), -9)
-                             : std::ldexp(1.0f + static_cast<float>(man) / 8.0f, exp - 7);
-  return bits & 0x80 ? -mag : mag;
-}
-
 uint8_t float_to_e4m3(float x) {
   if (std::isnan(x)) return 0x7f;
   const uint8_t sign = std::signbit(x) ? 0x80 : 0x00;

@@ -8,7 +8,7 @@ namespace kt::kernels::scalar {
 void gemm_fp8(int m, int64_t K, int group, const Bf16Rows& a, const uint8_t* panels, int npanels, float* c,
               int64_t ldc) {
   float table[256];
-  for (int b = 0; b < 256; ++b) table[b] = fp8::e4m3_to_float(static_cast<uint8_t>(b));
+  for (int b = 0; b < 256; ++b) table[b] = e4m3_to_float(static_cast<uint8_t>(b));
   const int64_t pbytes = panel_bytes(Method::kFp8, group, K);
   const int64_t gbytes = group_bytes(Method::kFp8, group), wbytes = group_weight_bytes(Method::kFp8, group);
   for (int p = 0; p < npanels; ++p) {

@@ -1,26 +1,15 @@
-#include "../../kernels/avx512/qgemm-inl.h"
 #include "../../kernels/avx512/qgemm_a16-inl.h"
 #include "int4_checkpoint.h"
 
 namespace kt::kernels::avx512 {
 
-void gemm_rawint4(int m, int64_t K, int group, const QuantRows& a, const uint8_t* panels, int npanels,
+void gemm_rawint4(int m, int64_t K, int group, const Bf16Rows& a, const uint8_t* panels, int npanels,
                   float* c, int64_t ldc) {
-  gemm_quant<Method::kRawInt4>(m, K, group, a, panels, npanels, c, ldc);
-}
-
-void gemm_rawint4_a16(int m, int64_t K, int group, const Bf16Rows& a, const uint8_t* panels, int npanels,
-                      float* c, int64_t ldc) {
   gemm_quant_a16<Method::kRawInt4>(m, K, group, a, panels, npanels, c, ldc);
 }
 
-void gemm_gptq(int m, int64_t K, int group, const QuantRows& a, const uint8_t* panels, int npanels, float* c,
+void gemm_gptq(int m, int64_t K, int group, const Bf16Rows& a, const uint8_t* panels, int npanels, float* c,
                int64_t ldc) {
-  gemm_quant<Method::kGptqInt4>(m, K, group, a, panels, npanels, c, ldc);
-}
-
-void gemm_gptq_a16(int m, int64_t K, int group, const Bf16Rows& a, const uint8_t* panels, int npanels,
-                   float* c, int64_t ldc) {
   gemm_quant_a16<Method::kGptqInt4>(m, K, group, a, panels, npanels, c, ldc);
 }
 

@@ -2,8 +2,8 @@
 // nibble layout (quant_types.h), keeping each checkpoint's own scale block:
 //   RAWINT4 (compressed-tensors pack-quantized, Kimi-K2): bf16 scale per group; w = s * (q - 8)
 //   GPTQ_INT4: fp16 scale and an integer zero per group, packed as fp16 -zero; w = s * (q - zero)
-// so the integer kernels (src/kernels/<isa>/qgemm*-inl.h) serve them through the epilogue of
-// src/kernels/epilogue.h, with nothing rounded but the activations.
+// so the integer A16 kernels (src/kernels/<isa>/qgemm_a16-inl.h) serve them through the epilogue
+// of src/kernels/epilogue.h, with nothing rounded but the activations (bf16, requantized to int16).
 #pragma once
 
 #include <cstdint>
@@ -24,16 +24,12 @@ void pack_group_gptq(const CanonicalMatrix& src, const PackRegion& region, int64
 
 namespace kt::kernels {
 // Per family (src/methods/int4_checkpoint/<isa>.cpp); AMX takes AVX-512's.
-#define KT_DECLARE_INT4_CHECKPOINT(ns)                                                                      \
-  namespace ns {                                                                                            \
-  void gemm_rawint4(int m, int64_t K, int group, const QuantRows& a, const uint8_t* panels, int npanels,    \
-                    float* c, int64_t ldc);                                                                 \
-  void gemm_rawint4_a16(int m, int64_t K, int group, const Bf16Rows& a, const uint8_t* panels, int npanels, \
-                        float* c, int64_t ldc);                                                             \
-  void gemm_gptq(int m, int64_t K, int group, const QuantRows& a, const uint8_t* panels, int npanels,       \
-                 float* c, int64_t ldc);                                                                    \
-  void gemm_gptq_a16(int m, int64_t K, int group, const Bf16Rows& a, const uint8_t* panels, int npanels,    \
-                     float* c, int64_t ldc);                                                                \
+#define KT_DECLARE_INT4_CHECKPOINT(ns)                                                                  \
+  namespace ns {                                                                                        \
+  void gemm_rawint4(int m, int64_t K, int group, const Bf16Rows& a, const uint8_t* panels, int npanels, \
+                    float* c, int64_t ldc);                                                             \
+  void gemm_gptq(int m, int64_t K, int group, const Bf16Rows& a, const uint8_t* panels, int npanels,    \
+                 float* c, int64_t ldc);                                                                \
   }
 KT_DECLARE_INT4_CHECKPOINT(scalar)
 KT_DECLARE_INT4_CHECKPOINT(avx2)
