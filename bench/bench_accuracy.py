@@ -67,8 +67,8 @@ class Setting:
 
 def settings(num_experts: int, top_k: int) -> list[Setting]:
     out = [Setting("BF16")]
-    for info in METHODS.values():
-        if info.method.value != "BF16":
+    for info in METHODS.values():  # the bf16 model: the methods that quantize it
+        if info.method.value != "BF16" and info.quantizes_dense:
             out += [Setting(info.method.value, g) for g in info.allowed_groups]
     out += [Setting("BF16", deferred=d) for d in range(1, top_k)]
     out += [Setting("BF16", hot=num_experts // 4), Setting("BF16", hot=num_experts // 2), Setting(None)]

@@ -91,3 +91,18 @@ def test_bad_activation_and_biases_are_named():
     bad[2, 7] = float("nan")
     with pytest.raises(ValueError, match="down bias at row 2, column 7 is NaN"):
         layer.load_biases(None, None, bad)
+
+
+def test_sglang_activation_maps_to_the_engine():
+    """The plugin reads SGLang's own MoeRunnerConfig (gpt-oss: gemm1_alpha and gemm1_clamp_limit;
+    DeepSeek-V4: swiglu_limit) as the engine's activation, and refuses what it cannot compute."""
+    from sglang.srt.layers.moe.moe_runner.base import MoeRunnerConfig
+
+    from kt_sglang.sglang.method import runner_activation
+
+    assert runner_activation(MoeRunnerConfig(activation="silu")) == Glu()
+    gpt_oss = MoeRunnerConfig(activation="silu", gemm1_alpha=1.702, gemm1_clamp_limit=7.0)
+    assert runner_activation(gpt_oss) == GPT_OSS
+    assert runner_activation(MoeRunnerConfig(activation="silu", swiglu_limit=10.0)) == DEEPSEEK_V4
+    with pytest.raises(ValueError, match="uses gelu"):
+        runner_activation(MoeRunnerConfig(activation="gelu", layer_id=3))

@@ -167,6 +167,75 @@ def test_qwen3_moe_server_equals_standalone_stack(qwen, method, hot, deferred, t
     print(f"{method} hot={hot} deferred={deferred}: {same}/{len(hf_prompts)} continuations as float32 HF")
 
 
+def _rawint4_experts(model_dir: Path, out: Path) -> Path:
+    """The tiny model's experts as a checkpoint of their own in compressed-tensors pack-quantized INT4
+    (RAWINT4, Kimi-K2's format): round to nearest, symmetric, a bf16 scale per 32, packed 8 nibbles
+    to an int32 with value + 8 and the first K-value least significant."""
+    import json
+
+    import numpy as np
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    config = json.loads((model_dir / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {
+                    "num_bits": 4,
+                    "type": "int",
+                    "symmetric": True,
+                    "strategy": "group",
+                    "group_size": 32,
+                },
+            }
+        },
+        "ignore": ["lm_head", "re:.*self_attn.*", "re:.*mlp.gate$"],
+    }
+    tensors = {}
+    for shard in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(shard), framework="pt") as f:
+            for name in f.keys():
+                if ".experts." not in name or not name.endswith(".weight"):
+                    continue
+                w = f.get_tensor(name).float()
+                N, K = w.shape
+                groups = w.reshape(N, K // 32, 32)
+                scale = (groups.abs().amax(-1) / 7).clamp_min(1e-8).bfloat16()
+                q = (groups / scale.float()[..., None]).round().clamp(-8, 7).reshape(N, K).to(torch.int64) + 8
+                words = np.zeros((N, K // 8), dtype=np.uint32)
+                for i in range(8):
+                    words |= q[:, i::8].numpy().astype(np.uint32) << np.uint32(4 * i)
+                base = name.removesuffix(".weight")
+                tensors[base + ".weight_packed"] = torch.from_numpy(words.view(np.int32).copy())
+                tensors[base + ".weight_scale"] = scale
+                tensors[base + ".weight_shape"] = torch.tensor([N, K], dtype=torch.int32)
+    out.mkdir(parents=True)
+    (out / "config.json").write_text(json.dumps(config))
+    save_file(tensors, str(out / "model.safetensors"))
+    return out
+
+
+def test_qwen3_moe_serves_an_int4_checkpoint_as_it_ships(qwen, tmp_path):
+    """--kt-method RAWINT4 with --kt-weight-path at a pack-quantized checkpoint: the server's ids and
+    log-probabilities follow our standalone stack on that checkpoint's own values."""
+    model_dir, _ = qwen
+    int4_dir = _rawint4_experts(model_dir, tmp_path / "int4")
+    standalone = _hf_model(model_dir)
+    replace_experts(standalone, int4_dir, "RAWINT4")
+    prompts = _reference(standalone)
+    args = _kt(model_dir, "RAWINT4")
+    args[args.index("--kt-weight-path") + 1] = str(int4_dir)
+    logprobs: list = []
+    outs, _ = _serve_and_generate(model_dir, args, prompts, tmp_path / "server.log", logprobs)
+    assert outs == [ids for _, ids in prompts]
+    served = torch.tensor(logprobs)
+    assert (served - _chosen_logprobs(standalone, prompts)).abs().max() < LOGPROB_TOL
+
+
 def _launch_error(args: list[str]) -> subprocess.CompletedProcess:
     cmd = server_command(args[0], CPU_DEVICE_ARGS + args[1:], free_port())
     return subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=args[0])

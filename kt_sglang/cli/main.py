@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="kt-sglang",
         description="SGLang MoE serving with cold experts on the CPU engine of kt-sglang.",
     )
-    from kt_sglang.engine.methods import method_names
+    from kt_sglang.engine.methods import METHODS, method_names, parse_method
 
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("version", help="print the version of kt-sglang and of what it runs on")
@@ -36,7 +36,10 @@ def main(argv: list[str] | None = None) -> int:
     from kt_sglang.cli.demo import DEFAULT_PROMPT, DEFAULT_WORKDIR
 
     demo.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR, help=f"default: {DEFAULT_WORKDIR}")
-    demo.add_argument("--method", default="AMXINT4", choices=method_names())
+    quantizing = [m for m in method_names() if METHODS[parse_method(m)].quantizes_dense]
+    demo.add_argument(
+        "--method", default="AMXINT4", choices=quantizing, help="a method that quantizes the bf16 model"
+    )
     demo.add_argument("--gpu-experts", type=int, default=4, help="hot experts per MoE layer (of 16)")
     demo.add_argument("--prompt", default=DEFAULT_PROMPT, help="a speaker and a line, as in the plays")
     demo.add_argument("--max-tokens", type=int, default=64)

@@ -124,6 +124,15 @@ def parse_method(name: str | Method) -> Method:
     raise ValueError(f"unknown method {name!r}; use one of {supported}")
 
 
+def method_for_format(checkpoint_format: str) -> Method:
+    """The method that takes checkpoints of this format as they are (``MethodInfo.checkpoint_format``;
+    FP8 checkpoints: the first of FP8 and FP8_PERCHANNEL)."""
+    for m, info in METHODS.items():
+        if info.checkpoint_format == checkpoint_format:
+            return m
+    raise ValueError(f"no method reads {checkpoint_format!r} checkpoints as they are")
+
+
 def resolve_group(method: Method, group_size: int | None) -> int:
     info = METHODS[method]
     if group_size is None:

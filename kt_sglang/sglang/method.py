@@ -15,6 +15,7 @@ import logging
 import torch
 from sglang.srt.layers.quantization.base_config import FusedMoEMethodBase
 
+from kt_sglang.engine.activation import SILU, Glu
 from kt_sglang.engine.wrapper import KTMoEWrapper
 from kt_sglang.layer.hybrid import DeferralChain, HybridMoELayer
 from kt_sglang.placement import PlacementStats, StatsRecorder, plan_hot_experts, slot_map
@@ -44,6 +45,33 @@ def settings_for(kt_config) -> KtSettings:
         placement_stats=None,
         record_placement_stats=None,
     )
+
+
+def runner_activation(moe_runner_config) -> Glu:
+    """SGLang's MoE activation (its MoeRunnerConfig) as the engine's: gpt-oss sets gemm1_alpha and
+    gemm1_clamp_limit, DeepSeek-V4 swiglu_limit on a plain SiLU."""
+    cfg = moe_runner_config
+    if cfg.gemm1_alpha is not None:
+        return Glu("swiglu_oai", float(cfg.gemm1_clamp_limit or 0.0), float(cfg.gemm1_alpha))
+    if cfg.activation == "silu" and cfg.is_gated:
+        return Glu("silu", float(cfg.swiglu_limit or cfg.gemm1_clamp_limit or 0.0))
+    raise ValueError(
+        f"kt-sglang CPU experts compute gated SiLU (with optional clamps) and gpt-oss's SwiGLU; MoE layer "
+        f"{cfg.layer_id} uses {cfg.activation}{'' if cfg.is_gated else ' (not gated)'}: this model cannot "
+        "use --kt-weight-path yet"
+    )
+
+
+def checkpoint_activation(weight_path: str) -> Glu:
+    """The activation a Hugging Face checkpoint's experts use (SiLU for a converted directory, whose
+    families have no other: convert-cpu refuses the rest)."""
+    from pathlib import Path
+
+    from kt_sglang.weights.checkpoint import open_checkpoint
+
+    if not (Path(weight_path) / "config.json").is_file():
+        return SILU
+    return open_checkpoint(weight_path).activation()
 
 
 def hot_experts_of_layer(settings: KtSettings, layer_idx: int, num_experts: int) -> list[int]:
@@ -160,6 +188,7 @@ class KTEPWrapperMethod(FusedMoEMethodBase):
                 max_deferred_experts_per_token=self.max_deferred,
                 method=s.method,
                 numa_nodes=s.numa_nodes,
+                activation=checkpoint_activation(s.weight_path),
             )
         if self.settings.record_placement_stats and self.tp_rank == 0:
             global _recorder
@@ -193,10 +222,12 @@ class KTEPWrapperMethod(FusedMoEMethodBase):
     # -- runner ----------------------------------------------------------------------------
 
     def create_moe_runner(self, layer: torch.nn.Module, moe_runner_config) -> None:
-        if moe_runner_config.activation != "silu":  # at model build, not at the first request
+        found = runner_activation(moe_runner_config)  # at model build, not at the first request
+        if self.wrapper is not None and found != self.wrapper.activation:
             raise ValueError(
-                f"kt-sglang CPU experts compute gated SiLU; MoE layer {self.layer_idx} uses "
-                f"{moe_runner_config.activation}: this model cannot use --kt-weight-path yet"
+                f"MoE layer {self.layer_idx}: SGLang's model computes the activation {found}, the experts "
+                f"of --kt-weight-path {self.settings.weight_path} {self.wrapper.activation}: point it at "
+                "this model's checkpoint"
             )
         self.moe_runner_config = moe_runner_config
         moe_runner_config.num_local_experts = self.num_hot

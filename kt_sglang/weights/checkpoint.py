@@ -169,9 +169,11 @@ class Checkpoint:
             return w
         if mxfp4_checkpoint.is_packed(w):  # e2m1 codes: their values in fp32
             from kt_sglang.engine.canonical import dequantize
+            from kt_sglang.engine.methods import method_for_format
 
             N, K = w.shape[0], 2 * w.shape[1]
-            return dequantize("MXFP4", mxfp4_checkpoint.read_expert(self, name, (N, K)), K)
+            method = method_for_format(mxfp4_checkpoint.FORMAT)
+            return dequantize(method, mxfp4_checkpoint.read_expert(self, name, (N, K)), K)
         if not is_float8(w.dtype):
             raise CheckpointError(
                 f"tensor {self._where(name)} has dtype {w.dtype}; expected bf16, fp16, fp32 or fp8 e4m3"
@@ -254,10 +256,12 @@ class Checkpoint:
         I, H = spec.intermediate_size, spec.hidden_size
         if fam.fused_mxfp4:
             from kt_sglang.engine.canonical import dequantize
+            from kt_sglang.engine.methods import method_for_format
 
             mats = mxfp4_checkpoint.read_fused_layer(self, layer, ids)
+            mxfp4 = method_for_format(mxfp4_checkpoint.FORMAT)
             return tuple(
-                torch.stack([dequantize("MXFP4", m, K) for m in proj]) if proj else torch.empty(0, N, K)
+                torch.stack([dequantize(mxfp4, m, K) for m in proj]) if proj else torch.empty(0, N, K)
                 for proj, (N, K) in zip(mats, ((I, H), (I, H), (H, I)), strict=True)
             )
         if self._per_expert(layer, ids[0] if ids else 0):
@@ -303,8 +307,10 @@ class Checkpoint:
             nv = nvfp4_checkpoint.base_name(self, pattern, layer=layer, expert=e)
             if nv is not None:  # NVFP4 read by a method that quantizes: its values in fp32
                 from kt_sglang.engine.canonical import dequantize
+                from kt_sglang.engine.methods import method_for_format
 
-                mats.append(dequantize("NVFP4", nvfp4_checkpoint.read_expert(self, nv, shape), shape[1]))
+                method = method_for_format(nvfp4_checkpoint.FORMAT)
+                mats.append(dequantize(method, nvfp4_checkpoint.read_expert(self, nv, shape), shape[1]))
                 continue
             name = self._resolve(pattern, layer=layer, expert=e)
             base = None if name else int4_checkpoint.base_name(self, pattern, layer=layer, expert=e)

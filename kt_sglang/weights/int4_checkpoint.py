@@ -125,17 +125,10 @@ def read_scheme(ckpt: Checkpoint, fmt: str, module: str) -> Int4Scheme:
     raise ValueError(f"unknown INT4 checkpoint format {fmt!r}")
 
 
-def method_for(fmt: str):
-    """The method that takes checkpoints of format ``fmt`` as they are (the native table says)."""
-    from kt_sglang.engine.methods import METHODS
-
-    return next(m for m, info in METHODS.items() if info.checkpoint_format == fmt)
-
-
 def _group(ckpt: Checkpoint, group, module: str) -> int:
-    from kt_sglang.engine.methods import METHODS
+    from kt_sglang.engine.methods import METHODS, method_for_format
 
-    allowed = METHODS[method_for(PACK_QUANTIZED)].allowed_groups
+    allowed = METHODS[method_for_format(PACK_QUANTIZED)].allowed_groups
     if group is None:
         raise _config_error(ckpt, f"states no group_size for {module}")
     if int(group) not in allowed:
@@ -245,5 +238,6 @@ def _check_finite(ckpt: Checkpoint, name: str, t: torch.Tensor) -> None:
 def dequantize(m: CanonicalMatrix, scheme: Int4Scheme, K: int) -> torch.Tensor:
     """float32 ``[N, K]`` of a matrix read by ``read_matrix`` (for methods that quantize it again)."""
     from kt_sglang.engine.canonical import dequantize as canonical_dequantize
+    from kt_sglang.engine.methods import method_for_format
 
-    return canonical_dequantize(method_for(scheme.format), m, K, scheme.group)
+    return canonical_dequantize(method_for_format(scheme.format), m, K, scheme.group)
