@@ -61,10 +61,13 @@ def test_activation_and_biases_match_reference(method, isa, activation):
     assert relative_error(layer.forward(x, ids, wts), ref) <= max(bound, 0.01)
 
 
-def test_biases_follow_the_slot_map_and_pools():
-    """Two pools split the intermediate channels, and slots map to other source experts: each bias
-    must reach its expert once (the down bias is added by one pool only)."""
-    E, k, H, I, T = 8, 2, 256, 640, 24
+@pytest.mark.parametrize("I", [640, 64], ids=["two-slices", "first-slice-empty"])
+@pytest.mark.parametrize("T", [24, 300], ids=["rows", "tokens"])
+def test_biases_follow_the_slot_map_and_pools(I, T):
+    """Two pools split the intermediate channels (with I = 64 the first pool's slice is empty), and
+    slots map to other source experts: each bias must reach its expert once (the down bias is added
+    by one pool only), on both down paths (rows stored apart, or summed per token)."""
+    E, k, H = 8, 2, 256
     gate, up, down = make_weights(E, I, H)
     biases = _biases(E, I, H)
     perm = torch.randperm(E, generator=torch.Generator().manual_seed(3)).tolist()

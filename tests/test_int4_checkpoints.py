@@ -308,6 +308,17 @@ def test_gptq_bad_input(tmp_path, edit, config, match):
         run_checkpoint(tmp_path / "gptq", 0, "GPTQ_INT4", (None, None, None))
 
 
+def test_group_size_other_than_the_checkpoints_is_named(tmp_path):
+    write_rawint4(tmp_path / "kimi", 32)
+    layer = KTMoEWrapper(
+        1, E, TOP_K, H, I, None, 2, 1, weight_path=str(tmp_path / "kimi"), method="RAWINT4", group_size=64
+    )
+    with pytest.raises(
+        CheckpointError, match="quantized in groups of 32; this layer was built with group_size=64"
+    ):
+        layer.load_weights()
+
+
 def test_method_and_checkpoint_that_do_not_fit(tmp_path):
     write_gptq(tmp_path / "gptq")
     with pytest.raises(

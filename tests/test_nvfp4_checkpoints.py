@@ -75,6 +75,15 @@ def run(path: Path, method: str, weights, isa=None):
     return layer.forward(x, ids, wts), moe_reference(x, *weights, ids, wts)
 
 
+def test_format_group_is_the_methods():
+    from kt_sglang.engine.methods import METHODS, method_for_format
+    from kt_sglang.weights import mxfp4_checkpoint, nvfp4_checkpoint
+
+    for module in (nvfp4_checkpoint, mxfp4_checkpoint):
+        group = getattr(module, "GROUP", getattr(module, "BLOCK", None))
+        assert METHODS[method_for_format(module.FORMAT)].allowed_groups == (group,)
+
+
 @pytest.mark.parametrize("isa", isa_params())
 @pytest.mark.parametrize("writer", ["modelopt", "compressed-tensors"])
 def test_nvfp4_against_its_own_values(tmp_path, isa, writer):

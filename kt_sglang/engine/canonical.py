@@ -128,7 +128,10 @@ def random_canonical(
             e = torch.randint(-1, 2, shape, generator=gen) + 127 - round(math.log2(2.9 * K**0.5))
             out[name] = e.to(torch.uint8).view(torch.float8_e8m0fnu)
         elif name == "scales" and dtype == torch.float8_e4m3fn:  # times global_scale 2^-4
-            out[name] = ((0.5 + torch.rand(shape, generator=gen)) * 16 / (2.9 * K**0.5)).to(dtype)
+            scales = ((0.5 + torch.rand(shape, generator=gen)) * 16 / (2.9 * K**0.5)).to(dtype)
+            subnormal = torch.rand(shape, generator=gen) < 0.1  # e4m3 codes 1..7: exponent 0
+            codes = torch.randint(1, 8, shape, generator=gen, dtype=torch.uint8)
+            out[name] = torch.where(subnormal, codes, scales.view(torch.uint8)).view(dtype)
         elif name == "global_scale":
             out[name] = torch.full(shape, 1 / 16)
         elif name == "scales":  # nibbles minus their zero spread about 4.6

@@ -302,6 +302,7 @@ class KTMoEWrapper:
 
     def _load_hf_checkpoint(self, physical_to_logical_map) -> None:
         from kt_sglang.weights.checkpoint import CheckpointError, open_checkpoint
+        from kt_sglang.weights.int4_checkpoint import FORMATS as INT4_FORMATS
 
         ckpt = open_checkpoint(self.weight_path)
         spec = ckpt.spec
@@ -324,6 +325,14 @@ class KTMoEWrapper:
         if in_layer and (
             not info.quantizes_dense or ckpt.expert_format(self.layer_idx) == info.checkpoint_format
         ):
+            fmt = ckpt.expert_format(self.layer_idx)
+            if fmt == info.checkpoint_format and fmt in INT4_FORMATS:  # else: the reader names the format
+                found = ckpt.int4_group(self.layer_idx, self.method)
+                if found != self.group_size:
+                    raise CheckpointError(
+                        f"{ckpt.path}: its experts are quantized in groups of {found}; this layer was "
+                        f"built with group_size={self.group_size} (leave it unset to take the checkpoint's)"
+                    )
             mats = ckpt.layer_native_experts(self.layer_idx, needed, self.method)
             self.load_canonical(*([m[position[e]] for e in slots] for m in mats))
         else:

@@ -167,7 +167,7 @@ class Checkpoint:
         w = self.tensor(name)
         if w.dtype in (torch.bfloat16, torch.float16, torch.float32):
             return w
-        if mxfp4_checkpoint.is_packed(w):  # e2m1 codes: their values in fp32
+        if mxfp4_checkpoint.is_packed(self, name):  # e2m1 codes: their values in fp32
             from kt_sglang.engine.canonical import dequantize
             from kt_sglang.engine.methods import method_for_format
 
@@ -467,10 +467,10 @@ class Checkpoint:
         base = fam.experts and int4_checkpoint.base_name(self, fam.experts["gate"], layer=layer, expert=0)
         if base:
             return int4_checkpoint.detect_format(self, base + ".weight")
-        dtype = self.expert_dtype(layer)
-        if dtype in (torch.uint8, torch.int8) or str(dtype) == "torch.float4_e2m1fn_x2":
+        gate = fam.experts and self._resolve(fam.experts["gate"], layer=layer, expert=0)
+        if gate and mxfp4_checkpoint.is_packed(self, gate):
             return mxfp4_checkpoint.FORMAT
-        return "fp8" if is_float8(dtype) else "dense"
+        return "fp8" if is_float8(self.expert_dtype(layer)) else "dense"
 
     def activation(self):
         """The experts' activation (kt_sglang.engine.activation.Glu), from the family and config."""
@@ -507,8 +507,8 @@ class Checkpoint:
             return
         if self._checkpoint_format(method) == mxfp4_checkpoint.FORMAT and self.family.fused_mxfp4:
             self._check_native_format(layer, method)
-            for e in range(self.spec.num_experts):
-                yield tuple(m[0] for m in mxfp4_checkpoint.read_fused_layer(self, layer, [e]))
+            experts = list(range(self.spec.num_experts))
+            yield from zip(*mxfp4_checkpoint.read_fused_layer(self, layer, experts), strict=True)
             return
         read = self._int4_reader(layer, method)
         for e in range(self.spec.num_experts):
@@ -536,9 +536,10 @@ class Checkpoint:
         found = self.expert_format(layer) if per_expert else "fused dense"
         if found != fmt:
             fits = [m.value for m, i in METHODS.items() if i.checkpoint_format == found]
+            quantizing = ", ".join(m.value for m, i in METHODS.items() if i.quantizes_dense)
             raise CheckpointError(
                 f"layer {layer} of {self.path}: {method.value} reads {fmt} experts, and these are "
-                f"{found}; use {' or '.join(fits) or 'a method that quantizes (AMXINT8, AMXINT4, ...)'}"
+                f"{found}; use {' or '.join(fits) or 'a method that quantizes (' + quantizing + ')'}"
             )
         return fmt
 

@@ -25,7 +25,8 @@ class ModelFamily:
     # of `_blocks`, `_scales` and `_bias`; gate_up_rows "interleaved" (gate = even rows) or "halves".
     fused_mxfp4: dict[str, str]
     # The experts' activation (kt_sglang.engine.activation.Glu): kind, and limit / alpha as numbers
-    # or config keys with defaults ({"key": ..., "default": ...}); empty: silu.
+    # or config keys (one, or several tried in order) with defaults ({"key": ..., "default": ...});
+    # empty: silu.
     activation: dict
 
     def glu(self, config: dict):
@@ -37,7 +38,8 @@ class ModelFamily:
 
         def value(spec, default):
             if isinstance(spec, dict):
-                found = config.get(spec["key"])
+                keys = spec["key"] if isinstance(spec["key"], list) else [spec["key"]]
+                found = next((config[k] for k in keys if config.get(k) is not None), None)
                 return float(spec.get("default", default) if found is None else found)
             return float(default if spec is None else spec)
 

@@ -106,7 +106,7 @@ def read_scheme(ckpt: Checkpoint, fmt: str, module: str) -> Int4Scheme:
                 f"has actorder {weights.get('actorder')!r} for {module}: its groups are permuted along "
                 "K, which RAWINT4 does not read; use a checkpoint quantized without activation order",
             )
-        return Int4Scheme(PACK_QUANTIZED, _group(ckpt, weights.get("group_size"), module), True)
+        return Int4Scheme(PACK_QUANTIZED, _group(ckpt, fmt, weights.get("group_size"), module), True)
     if fmt == GPTQ:
         if q.get("quant_method") != "gptq":
             raise _config_error(
@@ -120,21 +120,21 @@ def read_scheme(ckpt: Checkpoint, fmt: str, module: str) -> Int4Scheme:
                 ckpt, f"has checkpoint_format {version!r}; GPTQ_INT4 reads 'gptq' and 'gptq_v2'"
             )
         return Int4Scheme(
-            GPTQ, _group(ckpt, q.get("group_size"), module), bool(q.get("sym", True)), version == "gptq"
+            GPTQ, _group(ckpt, fmt, q.get("group_size"), module), bool(q.get("sym", True)), version == "gptq"
         )
     raise ValueError(f"unknown INT4 checkpoint format {fmt!r}")
 
 
-def _group(ckpt: Checkpoint, group, module: str) -> int:
+def _group(ckpt: Checkpoint, fmt: str, group, module: str) -> int:
     from kt_sglang.engine.methods import METHODS, method_for_format
 
-    allowed = METHODS[method_for_format(PACK_QUANTIZED)].allowed_groups
+    allowed = METHODS[method_for_format(fmt)].allowed_groups
     if group is None:
         raise _config_error(ckpt, f"states no group_size for {module}")
     if int(group) not in allowed:
         raise _config_error(
             ckpt,
-            f"has group_size {group} for {module}; the INT4 methods read groups of "
+            f"has group_size {group} for {module}; {method_for_format(fmt).value} reads groups of "
             f"{', '.join(map(str, allowed))}",
         )
     return int(group)

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from kt_sglang.weights.checkpoint import Checkpoint
 
 FORMAT = "mxfp4"
-BLOCK = 32  # K-values per e8m0 scale
+BLOCK = 32  # K-values per e8m0 scale: the format's (tests check MXFP4's row of the native table)
 # Byte dtypes the packed e2m1 codes come in.
 _CODE_DTYPES = tuple(
     d for d in (torch.uint8, torch.int8, getattr(torch, "float4_e2m1fn_x2", None)) if d is not None
@@ -34,9 +34,11 @@ def _error(message: str):
     return CheckpointError(message)
 
 
-def is_packed(t: torch.Tensor) -> bool:
-    """Whether a per-expert ``.weight`` holds packed e2m1 codes (rather than bf16 / fp8 values)."""
-    return t.dtype in _CODE_DTYPES
+def is_packed(ckpt: Checkpoint, weight_name: str) -> bool:
+    """Whether a per-expert ``.weight`` holds packed e2m1 codes: a byte dtype with an e8m0 ``.scale``
+    beside it (an int8 weight with a ``weight_scale`` is another format)."""
+    scale = weight_name.removesuffix(".weight") + ".scale"
+    return ckpt.tensor(weight_name).dtype in _CODE_DTYPES and ckpt.has(scale)
 
 
 def e8m0_bytes(t: torch.Tensor, where: str) -> torch.Tensor:
@@ -69,7 +71,7 @@ def read_expert(ckpt: Checkpoint, weight_name: str, shape: tuple[int, int]) -> C
     if K % BLOCK:
         raise _error(f"{weight_name}: K = {K} is not a multiple of {BLOCK}, as MXFP4 needs")
     w = ckpt.tensor(weight_name)
-    if not is_packed(w) or tuple(w.shape) != (N, K // 2):
+    if w.dtype not in _CODE_DTYPES or tuple(w.shape) != (N, K // 2):
         raise _error(
             f"{ckpt._where(weight_name)} is {w.dtype} {list(w.shape)}; MXFP4 expects packed e2m1 codes "
             f"(uint8, int8 or float4_e2m1fn_x2) [{N}, {K // 2}]"

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from kt_sglang.weights.checkpoint import Checkpoint
 
 FORMAT = "nvfp4"
-GROUP = 16
+GROUP = 16  # K-values per e4m3 scale: the format's (tests check NVFP4's row of the native table)
 # (packed weight, global scale, whether the global scale divides) per writer
 _LAYOUTS = {
     "modelopt": ("weight", "weight_scale_2", False),

@@ -195,6 +195,8 @@ MoeLayer::MoeLayer(const MoeConfig& config, std::shared_ptr<Runner> runner,
     pw->down = static_cast<uint8_t*>(alloc_on_node(pw->down_alloc, pw->node));
     pools_.push_back(std::move(pw));
   }
+  while (down_bias_pool_ + 1 < P && pools_[down_bias_pool_]->i_end == pools_[down_bias_pool_]->i_begin)
+    ++down_bias_pool_;
 }
 
 MoeLayer::~MoeLayer() {
@@ -265,6 +267,7 @@ struct OwnedCanonical {
 }  // namespace
 
 void MoeLayer::load_biases(const float* gate, const float* up, const float* down) {
+  drain();  // a pending forward reads the biases
   const int64_t E = config_.num_experts, I = config_.intermediate, H = config_.hidden;
   auto take = [&](const float* src, int64_t n, int64_t padded, const char* what, std::vector<float>& dst) {
     dst.clear();
@@ -813,7 +816,7 @@ void MoeLayer::down(const Chunk& chunk, const WorkerContext& ctx) {
         }
         for (int i = 0; i < m; ++i) {
           float* c = sc.c_buf.data() + i * ldc;
-          if (!down_bias_.empty() && ctx.pool == 0) {  // once per row: the pools' sums add up
+          if (!down_bias_.empty() && ctx.pool == down_bias_pool_) {  // once per row: pools' sums add up
             const float* b = down_bias_.data() + e * round_up(H, kPanelWidth) + p0 * kPanelWidth;
             for (int64_t j = 0; j < ldc; ++j) c[j] += b[j];
           }

@@ -123,6 +123,7 @@ class MoeLayer {
   // rounded to 16]; empty when absent.
   std::vector<float> gate_bias_, up_bias_, down_bias_;
   int64_t intermediate_padded_ = 0;
+  int down_bias_pool_ = 0;  // the first pool with a non-empty slice adds the down bias
   bool loaded_ = false;
   std::atomic<uint64_t> last_task_{0};  // the runner's id of this layer's latest forward
 };

@@ -28,7 +28,7 @@ inline constexpr bool kNibbles = kIntegerMethod<M> && method_traits(M).weight_bi
 // e2m1 values are the integers -12..12, so these methods run the integer A16 kernels exactly, with
 // half the scale.
 template <Method M>
-inline constexpr bool kLookupNibbles = M == Method::kMxfp4 || M == Method::kNvfp4;
+inline constexpr bool kLookupNibbles = kNibbles<M> && method_traits(M).weight_codes != nullptr;
 
 // NVFP4's matrix scale, stored after each group's 16 channel scales.
 inline float nvfp4_global(const uint8_t* block) {
