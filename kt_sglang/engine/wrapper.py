@@ -322,10 +322,8 @@ class KTMoEWrapper:
         # from any other format the engine quantizes the dense (or dequantized) weights, if it can.
         info = METHODS[self.method]
         in_layer = self.layer_idx in spec.moe_layers
-        if in_layer and (
-            not info.quantizes_dense or ckpt.expert_format(self.layer_idx) == info.checkpoint_format
-        ):
-            fmt = ckpt.expert_format(self.layer_idx)
+        fmt = ckpt.expert_format(self.layer_idx) if in_layer else None
+        if in_layer and (not info.quantizes_dense or fmt == info.checkpoint_format):
             if fmt == info.checkpoint_format and fmt in INT4_FORMATS:  # else: the reader names the format
                 found = ckpt.int4_group(self.layer_idx, self.method)
                 if found != self.group_size:

@@ -544,49 +544,36 @@ class Checkpoint:
         return fmt
 
     def _int4_reader(self, layer: int, method: Method):
-        """A function expert -> (gate, up, down) canonical matrices of a per-expert INT4 or MXFP4
-        checkpoint's layer, after checking the layer, the format and the config's scheme once."""
+        """A function expert -> (gate, up, down) canonical matrices of a per-expert INT4, MXFP4 or
+        NVFP4 checkpoint's layer, after checking the layer, the format and the config's scheme once."""
         fmt = self._check_native_format(layer, method)
         spec, fam = self.spec, self.family
         I, H = spec.intermediate_size, spec.hidden_size
         shapes = {"gate": (I, H), "up": (I, H), "down": (H, I)}
+        # Per format: where one linear's tensors are (its name or name prefix) and how it is read.
         if fmt == nvfp4_checkpoint.FORMAT:
+            locate = functools.partial(nvfp4_checkpoint.base_name, self)
+            read_one = functools.partial(nvfp4_checkpoint.read_expert, self)
+        elif fmt == mxfp4_checkpoint.FORMAT:
+            locate = self._resolve
+            read_one = functools.partial(mxfp4_checkpoint.read_expert, self)
+        else:
+            locate = functools.partial(int4_checkpoint.base_name, self)
+            scheme = int4_checkpoint.read_scheme(
+                self, fmt, locate(fam.experts["gate"], layer=layer, expert=0)
+            )
 
-            def read_nvfp4(e: int):
-                mats = []
-                for proj, shape in shapes.items():
-                    base = nvfp4_checkpoint.base_name(self, fam.experts[proj], layer=layer, expert=e)
-                    if base is None:
-                        missing = fam.experts[proj].format(layer=layer, expert=e)
-                        raise CheckpointError(f"NVFP4 tensors of {missing} are missing from {self.path}")
-                    mats.append(nvfp4_checkpoint.read_expert(self, base, shape))
-                return tuple(mats)
-
-            return read_nvfp4
-        if fmt == mxfp4_checkpoint.FORMAT:
-
-            def read_mxfp4(e: int):
-                mats = []
-                for proj, shape in shapes.items():
-                    name = self._resolve(fam.experts[proj], layer=layer, expert=e)
-                    if name is None:
-                        missing = fam.experts[proj].format(layer=layer, expert=e)
-                        raise CheckpointError(f"expert tensor {missing} is missing from {self.path}")
-                    mats.append(mxfp4_checkpoint.read_expert(self, name, shape))
-                return tuple(mats)
-
-            return read_mxfp4
-        first = int4_checkpoint.base_name(self, fam.experts["gate"], layer=layer, expert=0)
-        scheme = int4_checkpoint.read_scheme(self, fmt, first)
+            def read_one(base, shape):
+                return int4_checkpoint.read_matrix(self, base, scheme, shape)
 
         def read(e: int):
             mats = []
             for proj, shape in shapes.items():
-                base = int4_checkpoint.base_name(self, fam.experts[proj], layer=layer, expert=e)
-                if base is None:
+                where = locate(fam.experts[proj], layer=layer, expert=e)
+                if where is None:
                     missing = fam.experts[proj].format(layer=layer, expert=e)
-                    raise CheckpointError(f"expert tensors of {missing} are missing from {self.path}")
-                mats.append(int4_checkpoint.read_matrix(self, base, scheme, shape))
+                    raise CheckpointError(f"{fmt} tensors of {missing} are missing from {self.path}")
+                mats.append(read_one(where, shape))
             return tuple(mats)
 
         return read

@@ -35,12 +35,6 @@ struct SourceView {
     const uint8_t b = row_ptr(row)[c / 2];
     return c % 2 == 0 ? (b & 0x0f) : (b >> 4);
   }
-  // Scale-table entry of packed group `gi` for packed row `row` (0 outside the source).
-  uint16_t group_entry(const uint16_t* table, int64_t row, int64_t gi) const {
-    const int64_t src_group = r.col_offset / m.group + gi;
-    if (r.row_offset + row >= m.N || src_group >= m.num_groups()) return 0;
-    return table[(r.row_offset + row) * m.num_groups() + src_group];
-  }
 };
 
 }  // namespace
@@ -65,7 +59,7 @@ void pack_group_int8(const CanonicalMatrix& src, const PackRegion& region, int64
       for (int j = 0; j < 4; ++j) dst[(r * kPanelWidth + n) * 4 + j] = v.int8_as_u8(n0 + n, k0 + 4 * r + j);
   auto* s = reinterpret_cast<uint16_t*>(dst + group_weight_bytes(src.method, group));
   for (int n = 0; n < kPanelWidth; ++n)
-    s[n] = v.group_entry(static_cast<const uint16_t*>(src.scales), n0 + n, gi);
+    s[n] = group_table_entry<uint16_t>(src, region, src.scales, n0 + n, gi);
 }
 
 void pack_nibbles(const CanonicalMatrix& src, const PackRegion& region, int64_t n0, int64_t gi,
@@ -86,12 +80,10 @@ void pack_nibbles(const CanonicalMatrix& src, const PackRegion& region, int64_t 
 void pack_group_int4(const CanonicalMatrix& src, const PackRegion& region, int64_t n0, int64_t gi,
                      uint8_t* dst) {
   pack_nibbles(src, region, n0, gi, dst);
-  const SourceView v{src, region};
-  const int group = src.group;
-  auto* s = reinterpret_cast<uint16_t*>(dst + group_weight_bytes(src.method, group));
+  auto* s = reinterpret_cast<uint16_t*>(dst + group_weight_bytes(src.method, src.group));
   for (int n = 0; n < kPanelWidth; ++n) {
-    s[n] = v.group_entry(static_cast<const uint16_t*>(src.scales), n0 + n, gi);
-    s[kPanelWidth + n] = v.group_entry(static_cast<const uint16_t*>(src.mins), n0 + n, gi);
+    s[n] = group_table_entry<uint16_t>(src, region, src.scales, n0 + n, gi);
+    s[kPanelWidth + n] = group_table_entry<uint16_t>(src, region, src.mins, n0 + n, gi);
   }
 }
 

@@ -41,6 +41,16 @@ void pack_group_int8(const CanonicalMatrix&, const PackRegion&, int64_t n0, int6
 void pack_group_int4(const CanonicalMatrix&, const PackRegion&, int64_t n0, int64_t gi, uint8_t* dst);
 // The weight block of an INT4-layout group (quant_types.h) from a canonical nibble weight.
 void pack_nibbles(const CanonicalMatrix&, const PackRegion&, int64_t n0, int64_t gi, uint8_t* dst);
+
+// Entry of a per-(row, group) table of T (a canonical [N, groups] tensor) for packed row `row` of
+// `region` and its packed group `gi`; 0 outside the source.
+template <typename T>
+T group_table_entry(const CanonicalMatrix& m, const PackRegion& region, const void* table, int64_t row,
+                    int64_t gi) {
+  const int64_t src_row = region.row_offset + row, src_group = region.col_offset / m.group + gi;
+  if (src_row >= m.N || src_group >= m.num_groups()) return T{0};
+  return static_cast<const T*>(table)[src_row * m.num_groups() + src_group];
+}
 void quantize_rows_rowwise(const void* src, DType dtype, CanonicalMatrix& dst, int64_t row_begin,
                            int64_t row_end);
 

@@ -6,7 +6,7 @@
 //   each panel, then the BF16 tiles, with no epilogue at all (NVFP4's matrix scale multiplies the
 //   panel's outputs in fp32);
 // - RAWINT4, GPTQ_INT4: q - zero (-8..15) per K-chunk of a tile's panels, then tiles that multiply
-//   each group's sums by its scale, as FP8's do (src/methods/fp8/avx512.cpp).
+//   each group's sums by its scale, as FP8's do (decoded_tiles-inl.h).
 #pragma once
 
 #include <immintrin.h>
@@ -14,6 +14,7 @@
 #include <algorithm>
 
 #include "../tiles.h"
+#include "decoded_tiles-inl.h"
 #include "kt/aligned_vector.h"
 #include "kt/cpu_features.h"
 #include "qgemm_a16-inl.h"
@@ -94,84 +95,28 @@ void gemm_fp4_decoded(int m, int64_t K, int group, const Bf16Rows& a, const uint
     }
 }
 
-// K-values decoded per step: 4 panels x 512 x 2 bytes = 64 KiB of bf16, read by every row tile.
-inline constexpr int64_t kDecodedChunkK = 512;
-inline constexpr int kDecodedTileRows = 6, kDecodedTilePanels = 4;
-
-// Groups [g0, g1) of a tile of kRows x kPanels from the decoded rows `dec` (panel p's row r at
-// dec + (p * kDecodedChunkK / 2 + r) * 32, r counted from group g0), adding each group's sums times
-// its scales into C (g0 == 0 writes C first).
-template <Method M, int kGroup, int kRows, int kPanels>
-__attribute__((noinline)) void gemm_decoded_tile(const Bf16Rows& a, int i0, const uint16_t* dec,
-                                                 const uint8_t* panel0, int64_t panel_stride, int64_t g0,
-                                                 int64_t g1, float* c, int64_t ldc) {
-  constexpr int64_t gbytes = group_bytes(M, kGroup), wbytes = group_weight_bytes(M, kGroup);
-  for (int64_t gi = g0; gi < g1; ++gi) {
-    __m512 acc[kRows][kPanels];
-    for (int i = 0; i < kRows; ++i)
-      for (int p = 0; p < kPanels; ++p) acc[i][p] = _mm512_setzero_ps();
-    const uint16_t* dg = dec + (gi - g0) * kGroup / 2 * 32;
-    for (int k = 0; k < kGroup; k += 32) {
-      const int32_t* x[kRows];
-      for (int i = 0; i < kRows; ++i)
-        x[i] = reinterpret_cast<const int32_t*>(bf16_at(a, i0 + i, gi * kGroup + k));
-      for (int j = 0; j < 16; ++j) {
-        __m512bh wv[kPanels];
-        for (int p = 0; p < kPanels; ++p)
-          wv[p] = (__m512bh)_mm512_load_si512(dg + (p * kDecodedChunkK / 2 + k / 2 + j) * 32);
-        for (int i = 0; i < kRows; ++i) {
-          const __m512bh xv = (__m512bh)_mm512_set1_epi32(x[i][j]);
-          for (int p = 0; p < kPanels; ++p) acc[i][p] = _mm512_dpbf16_ps(acc[i][p], xv, wv[p]);
-        }
-      }
-    }
-    for (int p = 0; p < kPanels; ++p) {
-      const __m512 ws = group_scales<M>(panel0 + p * panel_stride + gi * gbytes + wbytes).first;
-      for (int i = 0; i < kRows; ++i) {
-        float* out = c + (i0 + i) * ldc + p * kPanelWidth;
-        const __m512 sum = gi == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(out);
-        _mm512_storeu_ps(out, _mm512_fmadd_ps(acc[i][p], ws, sum));
-      }
-    }
-  }
-}
-
-// RAWINT4 / GPTQ_INT4: q - zero per K-chunk of a tile's panels, the group's scale in the tile.
+// RAWINT4 / GPTQ_INT4: q - zero per K-chunk of a tile's panels (decoded_tiles-inl.h), each group's
+// sums times its scale.
 template <Method M>
 void gemm_int4_decoded(int m, int64_t K, int group, const Bf16Rows& a, const uint8_t* panels, int npanels,
                        float* c, int64_t ldc) {
   const int64_t stride = panel_bytes(M, group, K), gbytes = group_bytes(M, group);
   const int64_t wbytes = group_weight_bytes(M, group);
-  thread_local AlignedVector<uint16_t> decoded;
-  const size_t need = static_cast<size_t>(kDecodedTilePanels * kDecodedChunkK * kPanelWidth);
-  if (decoded.size() < need) decoded.resize(need);
   with_group(group, [&](auto group_size) {
     constexpr int kGroup = decltype(group_size)::value;
-    for (int p0 = 0; p0 < npanels; p0 += kDecodedTilePanels)
-      with_count<kDecodedTilePanels>(std::min(kDecodedTilePanels, npanels - p0), [&](auto tile_panels) {
-        constexpr int kPanels = decltype(tile_panels)::value;
-        const uint8_t* panel0 = panels + p0 * stride;
-        for (int64_t k0 = 0; k0 < K; k0 += kDecodedChunkK) {
-          const int64_t g0 = k0 / kGroup, g1 = std::min(K, k0 + kDecodedChunkK) / kGroup;
-          for (int p = 0; p < kPanels; ++p)
-            for (int64_t gi = g0; gi < g1; ++gi) {
-              const uint8_t* w = panel0 + p * stride + gi * gbytes;
-              // q - zero: RAWINT4's zero is 8, GPTQ's block stores -zero in fp16 after the scales
-              const __m512 zero = M == Method::kRawInt4
-                                      ? _mm512_set1_ps(-float{method_traits(M).weight_zero})
-                                      : _mm512_cvtph_ps(_mm256_loadu_si256(
-                                            reinterpret_cast<const __m256i*>(w + wbytes + 32)));
-              decode_group<M, kGroup>(
-                  w, _mm512_set1_ps(1.0f), zero,
-                  decoded.data() + (p * kDecodedChunkK / 2 + (gi - g0) * kGroup / 2) * 32);
-            }
-          for (int i0 = 0; i0 < m; i0 += kDecodedTileRows)
-            with_count<kDecodedTileRows>(std::min(kDecodedTileRows, m - i0), [&](auto rows) {
-              gemm_decoded_tile<M, kGroup, decltype(rows)::value, kPanels>(
-                  a, i0, decoded.data(), panel0, stride, g0, g1, c + p0 * kPanelWidth, ldc);
-            });
-        }
-      });
+    const auto decode = [&](const uint8_t* panel, int64_t gi, uint16_t* out) {
+      const uint8_t* w = panel + gi * gbytes;
+      // q - zero: RAWINT4's zero is 8, GPTQ's block stores -zero in fp16 after the scales
+      const __m512 zero =
+          M == Method::kRawInt4
+              ? _mm512_set1_ps(-float{method_traits(M).weight_zero})
+              : _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + wbytes + 32)));
+      decode_group<M, kGroup>(w, _mm512_set1_ps(1.0f), zero, out);
+    };
+    const auto scale = [&](const uint8_t* panel, int64_t gi) {
+      return group_scales<M>(panel + gi * gbytes + wbytes).first;
+    };
+    gemm_decoded<kGroup>(m, K, a, panels, npanels, stride, c, ldc, decode, scale);
   });
 }
 

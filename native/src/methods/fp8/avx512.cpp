@@ -1,8 +1,8 @@
 // AVX-512 BF16 + VBMI FP8 GEMM: every 64 packed bytes (two rows of 16 channels x 2 K-values) are
 // decoded to two rows of 32 bf16 in registers and multiplied by vdpbf16ps, as the BF16 kernel does
 // with its stored rows. Up to 16 rows of A: passes of one panel, decoding in the pass. More: a
-// tile's panels are decoded once per K-chunk into a bf16 buffer (BF16's packed layout) that every
-// row tile then reads, so the decode costs a small share of a call however many rows it has.
+// tile's panels are decoded once per K-chunk into a bf16 buffer that every row tile then reads
+// (../../kernels/avx512/decoded_tiles-inl.h).
 // VBMI (vpermi2b) is asked for here only: the registry gives this kernel to CPUs that have it.
 #pragma GCC target("avx512vbmi")
 #include <immintrin.h>
@@ -11,10 +11,10 @@
 #include <stdexcept>
 
 #include "../../kernels/activations.h"
+#include "../../kernels/avx512/decoded_tiles-inl.h"
 #include "../../kernels/avx512/row_blocks-inl.h"
 #include "../../kernels/tiles.h"
 #include "fp8.h"
-#include "kt/aligned_vector.h"
 
 namespace kt::kernels::avx512 {
 
@@ -94,52 +94,10 @@ void gemm_fp8_rows(int64_t K, const Bf16Rows& a, int i0, const uint8_t* panel, f
   for (int i = 0; i < kRows; ++i) _mm512_storeu_ps(out[i], total[i]);
 }
 
-// K-values decoded per step of a prefill call: 4 panels x 512 x 2 bytes = 64 KiB of bf16, read by
-// every row tile from L2.
-constexpr int64_t kChunkK = 512;
-
-// Groups [g0, g1) of a tile of kRows x kPanels from the decoded rows `dec` (panel p's row r at
-// dec + (p * kChunkK / 2 + r) * 32 bf16, r counted from group g0), adding each group's sums times
-// its scales into C (the sums of earlier groups live there; g0 == 0 writes C first).
-template <int kRows, int kPanels>
-__attribute__((noinline)) void gemm_fp8_tile(const Bf16Rows& a, int i0, const uint16_t* dec,
-                                             const uint8_t* panel0, int64_t panel_stride, int64_t g0,
-                                             int64_t g1, float* c, int64_t ldc) {
-  for (int64_t gi = g0; gi < g1; ++gi) {
-    __m512 acc[kRows][kPanels];
-    for (int i = 0; i < kRows; ++i)
-      for (int p = 0; p < kPanels; ++p) acc[i][p] = _mm512_setzero_ps();
-    const uint16_t* dg = dec + (gi - g0) * kGroup / 2 * 32;
-    for (int k = 0; k < kGroup; k += 32) {
-      const int32_t* x[kRows];
-      for (int i = 0; i < kRows; ++i)
-        x[i] = reinterpret_cast<const int32_t*>(bf16_at(a, i0 + i, gi * kGroup + k));
-      for (int j = 0; j < 16; ++j) {
-        __m512bh wv[kPanels];
-        for (int p = 0; p < kPanels; ++p)
-          wv[p] = (__m512bh)_mm512_load_si512(dg + (p * kChunkK / 2 + k / 2 + j) * 32);
-        for (int i = 0; i < kRows; ++i) {
-          const __m512bh xv = (__m512bh)_mm512_set1_epi32(x[i][j]);
-          for (int p = 0; p < kPanels; ++p) acc[i][p] = _mm512_dpbf16_ps(acc[i][p], xv, wv[p]);
-        }
-      }
-    }
-    for (int p = 0; p < kPanels; ++p) {
-      const __m512 scale = group_scale(panel0 + p * panel_stride + gi * kGroupBytes);
-      for (int i = 0; i < kRows; ++i) {
-        float* out = c + (i0 + i) * ldc + p * kPanelWidth;
-        const __m512 sum = gi == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(out);
-        _mm512_storeu_ps(out, _mm512_fmadd_ps(acc[i][p], scale, sum));
-      }
-    }
-  }
-}
-
 // Up to 16 rows, passes of one panel (blocks of 4 rows and the rest, each decoding the panel again)
 // beat decoding once into the tiles' buffer: Zen 4, one call of 16 panels x 2048 in L2, passes
 // against tiles: 5 rows x1.10, 8 x1.20, 12 x1.06, 16 x1.05, 24 x0.99.
 constexpr int kMaxRowBlockRows = 16;
-constexpr int kTileRows = 6, kTilePanels = 4;
 
 }  // namespace
 
@@ -156,33 +114,17 @@ void gemm_fp8(int m, int64_t K, int group, const Bf16Rows& a, const uint8_t* pan
   }
   static const DecodeTables tables;
   const DecodeTables t = tables;
-  thread_local AlignedVector<uint16_t> decoded;
-  if (decoded.size() < static_cast<size_t>(kTilePanels * kChunkK * kPanelWidth))
-    decoded.resize(kTilePanels * kChunkK * kPanelWidth);
-  for (int p0 = 0; p0 < npanels; p0 += kTilePanels)
-    with_count<kTilePanels>(std::min(kTilePanels, npanels - p0), [&](auto tile_panels) {
-      constexpr int kPanels = decltype(tile_panels)::value;
-      const uint8_t* panel0 = panels + p0 * stride;
-      for (int64_t k0 = 0; k0 < K; k0 += kChunkK) {
-        const int64_t g0 = k0 / kGroup, g1 = std::min(K, k0 + kChunkK) / kGroup;
-        for (int p = 0; p < kPanels; ++p)
-          for (int64_t gi = g0; gi < g1; ++gi) {
-            const uint8_t* w = panel0 + p * stride + gi * kGroupBytes;
-            uint16_t* d = decoded.data() + (p * kChunkK / 2 + (gi - g0) * kGroup / 2) * 32;
-            for (int r = 0; r < kGroup / 2; r += 2) {
-              __m512bh even, odd;
-              decode_rows(t, w + r * 32, even, odd);
-              _mm512_store_si512(d + r * 32, (__m512i)even);
-              _mm512_store_si512(d + (r + 1) * 32, (__m512i)odd);
-            }
-          }
-        for (int i0 = 0; i0 < m; i0 += kTileRows)
-          with_count<kTileRows>(std::min(kTileRows, m - i0), [&](auto rows) {
-            gemm_fp8_tile<decltype(rows)::value, kPanels>(a, i0, decoded.data(), panel0, stride, g0, g1,
-                                                          c + p0 * kPanelWidth, ldc);
-          });
-      }
-    });
+  const auto decode = [&](const uint8_t* panel, int64_t gi, uint16_t* d) {
+    const uint8_t* w = panel + gi * kGroupBytes;
+    for (int r = 0; r < kGroup / 2; r += 2) {
+      __m512bh even, odd;
+      decode_rows(t, w + r * 32, even, odd);
+      _mm512_store_si512(d + r * 32, (__m512i)even);
+      _mm512_store_si512(d + (r + 1) * 32, (__m512i)odd);
+    }
+  };
+  const auto scale = [](const uint8_t* panel, int64_t gi) { return group_scale(panel + gi * kGroupBytes); };
+  gemm_decoded<kGroup>(m, K, a, panels, npanels, stride, c, ldc, decode, scale);
 }
 
 }  // namespace kt::kernels::avx512

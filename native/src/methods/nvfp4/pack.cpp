@@ -10,13 +10,8 @@ namespace kt::nvfp4 {
 void pack_group(const CanonicalMatrix& src, const PackRegion& region, int64_t n0, int64_t gi, uint8_t* dst) {
   pack_nibbles(src, region, n0, gi, dst);
   uint8_t* s = dst + group_weight_bytes(src.method, src.group);
-  const auto* scales = static_cast<const uint8_t*>(src.scales);
-  const int64_t src_group = region.col_offset / src.group + gi;
-  for (int n = 0; n < kPanelWidth; ++n) {
-    const int64_t row = region.row_offset + n0 + n;
-    const bool inside = row < src.N && src_group < src.num_groups();
-    s[n] = inside ? scales[row * src.num_groups() + src_group] : 0;
-  }
+  for (int n = 0; n < kPanelWidth; ++n)
+    s[n] = group_table_entry<uint8_t>(src, region, src.scales, n0 + n, gi);
   std::memcpy(s + kPanelWidth, src.mins, 4);  // the third tensor: global_scale [1]
 }
 
