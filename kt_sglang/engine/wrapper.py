@@ -76,6 +76,16 @@ class KTMoEWrapper:
     _capture_batch_sizes: tuple[int, ...] = ()
     _instances: weakref.WeakSet[KTMoEWrapper] = weakref.WeakSet()
 
+    def __new__(cls, *args, mode: str = "inference", **kwargs):
+        """``mode="sft"`` builds the fine-tuning layer (kt_sglang.engine.sft.SFTMoEWrapper)."""
+        if mode not in ("inference", "sft"):
+            raise ValueError(f"Unknown mode: {mode!r}. Supported modes: 'inference', 'sft'")
+        if mode == "sft" and cls is KTMoEWrapper:
+            from kt_sglang.engine.sft import SFTMoEWrapper
+
+            cls = SFTMoEWrapper
+        return super().__new__(cls)
+
     def __init__(
         self,
         layer_idx: int,
@@ -95,7 +105,12 @@ class KTMoEWrapper:
         group_size: int | None = None,
         isa: str | None = None,
         activation: Glu = SILU,
+        mode: str = "inference",
     ) -> None:
+        if mode != "inference":
+            raise ValueError(
+                f"mode={mode!r}: this is the inference layer; KTMoEWrapper(..., mode='sft') builds the other"
+            )
         for name, value, largest in (
             ("num_experts", num_experts, _MAX_EXPERTS),
             ("num_experts_per_tok", num_experts_per_tok, _MAX_EXPERTS),

@@ -9,6 +9,7 @@
 #include "kt/cpu_features.h"
 #include "kt/cuda_host.h"
 #include "kt/kernels.h"
+#include "kt/lora.h"
 #include "kt/membench.h"
 #include "kt/moe_layer.h"
 #include "kt/packing.h"
@@ -46,6 +47,11 @@ int64_t padded_k(int64_t K, int group) {
 // Scratch shared by the layers of one runner; opaque to Python.
 struct Workspace {
   std::shared_ptr<MoeWorkspace> impl = make_workspace();
+};
+
+// What one fine-tuning forward keeps for its backward; opaque to Python.
+struct SftSavedHandle {
+  std::shared_ptr<SftSaved> impl = make_sft_saved();
 };
 
 }  // namespace
@@ -338,6 +344,49 @@ PYBIND11_MODULE(_native, m) {
       .def("submit", &StreamForward::submit, py::arg("stream"), py::call_guard<py::gil_scoped_release>())
       .def("sync", &StreamForward::sync, py::arg("stream"), py::call_guard<py::gil_scoped_release>())
       .def("check", &StreamForward::check);
+
+  py::class_<SftSavedHandle>(m, "SftSaved")
+      .def(py::init<>())
+      .def_property_readonly("nbytes", [](const SftSavedHandle& h) { return sft_saved_bytes(*h.impl); })
+      .def_property_readonly("tokens", [](const SftSavedHandle& h) { return sft_saved_tokens(*h.impl); });
+  py::class_<SftMoe>(m, "SftMoe")
+      .def(py::init([](MoeLayer& layer, int rank, float alpha, bool skip_lora) {
+             return std::make_unique<SftMoe>(layer, LoraConfig{rank, alpha, skip_lora});
+           }),
+           py::keep_alive<1, 2>())
+      .def("set_lora",
+           [](SftMoe& s, DType dtype, const std::vector<uintptr_t>& weights,
+              const std::vector<uintptr_t>& grads) {
+             if (weights.size() != kNumLoraTensors || grads.size() != kNumLoraTensors)
+               throw std::invalid_argument("need six LoRA tensors and six gradients");
+             LoraTensors t;
+             t.dtype = dtype;
+             for (int i = 0; i < kNumLoraTensors; ++i)
+               t.weight[i] = ptr<const void>(weights[i]), t.grad[i] = ptr<void>(grads[i]);
+             py::gil_scoped_release release;
+             s.set_lora(t);
+           })
+      .def(
+          "submit_forward",
+          [](SftMoe& s, int64_t tokens, uintptr_t hidden, uintptr_t ids, bool ids_int64, uintptr_t weights,
+             uintptr_t mask, uintptr_t out, SftSavedHandle* save) {
+            SftForwardArgs a;
+            a.tokens = tokens, a.hidden = ptr<const uint16_t>(hidden), a.expert_ids = ptr<const void>(ids);
+            a.ids_int64 = ids_int64, a.weights = ptr<const float>(weights);
+            a.skip_mask = ptr<const bool>(mask), a.out = ptr<uint16_t>(out);
+            return s.submit_forward(a, save ? save->impl : nullptr);
+          },
+          py::arg("tokens"), py::arg("hidden"), py::arg("ids"), py::arg("ids_int64"), py::arg("weights"),
+          py::arg("mask"), py::arg("out"), py::arg("save").none(true))
+      .def("submit_backward",
+           [](SftMoe& s, const SftSavedHandle& saved, uintptr_t grad_out, uintptr_t grad_in,
+              uintptr_t grad_weights) {
+             SftBackwardArgs a;
+             a.grad_out = ptr<const uint16_t>(grad_out), a.grad_in = ptr<float>(grad_in);
+             a.grad_weights = ptr<float>(grad_weights);
+             return s.submit_backward(saved.impl, a);
+           })
+      .def("drain", &SftMoe::drain, py::call_guard<py::gil_scoped_release>());
 
   m.def(
       "quantize_matrix",

@@ -219,6 +219,11 @@ std::vector<std::pair<int64_t, int64_t>> MoeLayer::pool_slices() const {
   return out;
 }
 
+MoeLayer::PackedSlice MoeLayer::packed_slice(int pool) const {
+  const PoolWeights& pw = *pools_.at(pool);
+  return {pw.i_begin, pw.i_end, pw.gate_up, pw.down, pw.gate_up_bytes, pw.down_bytes};
+}
+
 void MoeLayer::pack_expert(int slot, const CanonicalMatrix& gate, const CanonicalMatrix& up,
                            const CanonicalMatrix& down) {
   const int64_t width = h_group();  // intermediate channels per interleaved block

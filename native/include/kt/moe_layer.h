@@ -96,6 +96,26 @@ class MoeLayer {
 
   struct PoolWeights;
 
+  // Read-only views for the fine-tuning tasks (lora.h), which run their own phases over the same
+  // packed weights: pool p's slice [i_begin, i_end) of the intermediate channels, its gate/up
+  // blocks (gate_up_block() channels each: that many gate rows' panels, then as many up rows')
+  // over hidden_padded() columns, and its down panels (round_up(hidden, 16) rows over the slice).
+  struct PackedSlice {
+    int64_t i_begin = 0, i_end = 0;
+    const uint8_t* gate_up = nullptr;  // expert e at gate_up + e * gate_up_bytes
+    const uint8_t* down = nullptr;
+    int64_t gate_up_bytes = 0, down_bytes = 0;
+  };
+  PackedSlice packed_slice(int pool) const;
+  int num_pools() const { return static_cast<int>(pools_.size()); }
+  int group() const { return group_; }
+  int64_t hidden_padded() const { return hidden_padded_; }
+  int64_t intermediate_padded() const { return intermediate_padded_; }
+  int64_t gate_up_block() const { return h_group(); }
+  bool has_biases() const { return !gate_bias_.empty() || !up_bias_.empty() || !down_bias_.empty(); }
+  const KernelTable& kernels() const { return table_; }
+  Runner& runner() const { return *runner_; }
+
  private:
   void pack_expert(int slot, const CanonicalMatrix& gate, const CanonicalMatrix& up,
                    const CanonicalMatrix& down);

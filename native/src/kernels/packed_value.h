@@ -1,0 +1,29 @@
+// One weight of a packed group as a float, for every method: the portable decode that the
+// fine-tuning backward uses to read the packed panels transposed (lora.cpp). The GEMMs never call it.
+#pragma once
+
+#include <cstdint>
+
+#include "../methods/fp8/fp8.h"
+#include "epilogue.h"
+#include "kt/float_types.h"
+
+namespace kt::kernels {
+
+// W[n][k] of channel n (0..15), K-value k (0 <= k < group) of the group block `g` (quant_types.h).
+template <Method M>
+inline float packed_value(const uint8_t* g, int group, int n, int k) {
+  if constexpr (M == Method::kBf16) {
+    return bf16_to_float(reinterpret_cast<const uint16_t*>(g)[((k / 2) * kPanelWidth + n) * 2 + k % 2]);
+  } else if constexpr (M == Method::kFp8 || M == Method::kFp8PerChannel) {
+    const float scale = reinterpret_cast<const float*>(g + group_weight_bytes(M, group))[n];
+    return scale * e4m3_to_float(g[fp8::packed_offset(k / 2, n, k % 2)]);
+  } else {
+    const uint8_t* block = g + group_weight_bytes(M, group);
+    const float q = static_cast<float>(weight_value<M>(packed_weight<M>(g, group, n, k)));
+    const float offset = kNibbles<M> ? GroupScales<M>::offset(block, n) : 0.0f;
+    return GroupScales<M>::scale(block, n) * q + offset;
+  }
+}
+
+}  // namespace kt::kernels
