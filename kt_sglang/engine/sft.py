@@ -55,17 +55,18 @@ def parse_sft_method(method: str) -> tuple[str, bool]:
 
 
 class SavedForward:
-    """What one forward kept for its backward. Dropping it (an abandoned step) frees the memory."""
+    """What one forward kept for its backward. Dropping it (an abandoned step) frees the memory; a
+    backward hands its buffers to the next forward (so one forward, one backward)."""
 
     __slots__ = ("native", "tokens", "__weakref__")
 
-    def __init__(self, tokens: int) -> None:
-        self.native = _native.SftSaved()
+    def __init__(self, tokens: int, native: _native.SftSaved) -> None:
+        self.native: _native.SftSaved | None = native
         self.tokens = tokens
 
     @property
     def nbytes(self) -> int:
-        return self.native.nbytes
+        return self.native.nbytes if self.native is not None else 0
 
 
 class SFTMoEWrapper(KTMoEWrapper):
@@ -136,8 +137,9 @@ class SFTMoEWrapper(KTMoEWrapper):
         self._grads: tuple[torch.Tensor, ...] | None = None
         self._live: weakref.WeakSet[SavedForward] = weakref.WeakSet()
         self._queue: deque[SavedForward] = deque()  # forward() -> backward(), oldest first
-        self._pending_forward: tuple[int, torch.Tensor, SavedForward | None] | None = None
-        self._pending_backward: tuple[int, torch.Tensor, torch.Tensor] | None = None
+        self._spare: list[_native.SftSaved] = []  # buffers of finished backwards, reused (no page faults)
+        self._pending_forward: tuple | None = None  # (task, output, saved, inputs kept alive)
+        self._pending_backward: tuple | None = None  # (task, grad_in, grad_weights, inputs kept alive)
 
     # ----------------------------------------------------------------------------------------
     # Adapters
@@ -233,7 +235,9 @@ class SFTMoEWrapper(KTMoEWrapper):
         ids = _contiguous(expert_ids.cpu(), expert_ids.dtype)
         w = _contiguous(weights.detach().cpu(), torch.float32)
         out = torch.empty(T, self.hidden_size, dtype=torch.bfloat16)
-        saved = SavedForward(T) if save_for_backward else None
+        saved = None
+        if save_for_backward:
+            saved = SavedForward(T, self._spare.pop() if self._spare else _native.SftSaved())
         task = self._sft.submit_forward(
             T, x.data_ptr(), ids.data_ptr(), ids.dtype == torch.int64, w.data_ptr(), self._mask_ptr(),
             out.data_ptr(), saved.native if saved is not None else None,
@@ -286,6 +290,8 @@ class SFTMoEWrapper(KTMoEWrapper):
             if not self._queue:
                 raise RuntimeError("no forward cache available: call forward(save_for_backward=True) first")
             saved = self._queue.popleft()
+        if saved.native is None:
+            raise RuntimeError("this forward's backward already ran (its saved state is released after one)")
         T = saved.tokens
         if not isinstance(grad_output, torch.Tensor) or tuple(grad_output.shape) != (T, self.hidden_size):
             shape = tuple(grad_output.shape) if isinstance(grad_output, torch.Tensor) else type(grad_output)
@@ -308,6 +314,9 @@ class SFTMoEWrapper(KTMoEWrapper):
         self._pending_backward = None
         self._runner.wait(task)
         self._live.discard(saved)
+        if len(self._spare) < self.max_cache_depth:
+            self._spare.append(saved.native)
+        saved.native = None
         if output_device is not None:
             grad_in, grad_w = grad_in.to(output_device), grad_w.to(output_device)
         return grad_in, grad_w

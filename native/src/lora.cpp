@@ -18,6 +18,8 @@
 //   5. per token: grad_in = sum over its rows of dx; grad_weights per slot
 #include "kt/lora.h"
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <array>
 #include <atomic>
@@ -132,36 +134,131 @@ void add_into(void* dst, DType dtype, int64_t offset, const float* src, int64_t 
   }
 }
 
+// A 16 x 16 tile of bf16 weights from the packed layout to the transposed one, 512 bytes each way:
+// src row kp (0..7) holds W[n][2kp], W[n][2kp + 1] for n = 0..15; dst row np holds W[2np][k],
+// W[2np + 1][k] for k = 0..15, i.e. dst[np][k][nb] = src[k / 2][2np + nb][k % 2].
+void transpose_tile_scalar(const uint16_t* src, uint16_t* dst) {
+  for (int np = 0; np < 8; ++np)
+    for (int k = 0; k < 16; ++k)
+      for (int nb = 0; nb < 2; ++nb)
+        dst[np * 32 + k * 2 + nb] = src[(k / 2) * 32 + (2 * np + nb) * 2 + k % 2];
+}
+
+// The same with AVX-512: in each 8-byte unit (2 channels x 2 K-values) swap the middle values,
+// then transpose the 8 x 8 units (three rounds of two-source permutes).
+__attribute__((target("avx512f,avx512bw"))) void transpose_tile_avx512(const uint16_t* src, uint16_t* dst) {
+  const __m512i swap =
+      _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15));
+  __m512i r[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm512_shuffle_epi8(_mm512_loadu_si512(src + i * 32), swap);
+  const __m512i even = _mm512_setr_epi64(0, 8, 2, 10, 4, 12, 6, 14),
+                odd = _mm512_setr_epi64(1, 9, 3, 11, 5, 13, 7, 15);
+  __m512i lo[4], hi[4];  // lo[i]: units 0, 2, 4, 6 of rows 2i, 2i + 1; hi[i]: units 1, 3, 5, 7
+  for (int i = 0; i < 4; ++i) {
+    lo[i] = _mm512_permutex2var_epi64(r[2 * i], even, r[2 * i + 1]);
+    hi[i] = _mm512_permutex2var_epi64(r[2 * i], odd, r[2 * i + 1]);
+  }
+  const __m512i first = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13),
+                second = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+  __m512i q[4][2];  // q[j][i]: units j and j + 4 of rows 4i..4i + 3 (j = 0: lo's first, 1: hi's first, ...)
+  for (int i = 0; i < 2; ++i) {
+    q[0][i] = _mm512_permutex2var_epi64(lo[2 * i], first, lo[2 * i + 1]);   // units 0, 4
+    q[2][i] = _mm512_permutex2var_epi64(lo[2 * i], second, lo[2 * i + 1]);  // units 2, 6
+    q[1][i] = _mm512_permutex2var_epi64(hi[2 * i], first, hi[2 * i + 1]);   // units 1, 5
+    q[3][i] = _mm512_permutex2var_epi64(hi[2 * i], second, hi[2 * i + 1]);  // units 3, 7
+  }
+  const __m512i low_half = _mm512_setr_epi64(0, 1, 2, 3, 8, 9, 10, 11),
+                high_half = _mm512_setr_epi64(4, 5, 6, 7, 12, 13, 14, 15);
+  for (int j = 0; j < 4; ++j) {
+    _mm512_storeu_si512(dst + j * 32, _mm512_permutex2var_epi64(q[j][0], low_half, q[j][1]));
+    _mm512_storeu_si512(dst + (j + 4) * 32, _mm512_permutex2var_epi64(q[j][0], high_half, q[j][1]));
+  }
+}
+
+using TransposeTileFn = void (*)(const uint16_t*, uint16_t*);
+
+// 16 channels x 16 K-values (kin, a multiple of 16, within group g) of a quantized method as bf16
+// rows in BF16's packed layout (`stage`: 8 rows of 16 channels x 2 K-values).
+template <Method M>
+void decode_tile_scalar(const uint8_t* g, int group, int kin, uint16_t* stage) {
+  for (int kk = 0; kk < kPanelWidth; ++kk)
+    for (int nn = 0; nn < kPanelWidth; ++nn)
+      stage[(kk / 2) * 32 + nn * 2 + kk % 2] =
+          float_to_bf16(kernels::packed_value<M>(g, group, nn, kin + kk));
+}
+
+// The same for the integer methods with AVX-512: per packed row of 4 K-values, 4 vectors of 16
+// channels' codes, each value = weight_value(code) * scale + offset, rounded to bf16 (to nearest even).
+template <Method M>
+__attribute__((target("avx512f,avx512bw"))) void decode_tile_avx512(const uint8_t* g, int group, int kin,
+                                                                    uint16_t* stage) {
+  using namespace kernels;
+  const uint8_t* block = g + group_weight_bytes(M, group);
+  alignas(64) float scale[kPanelWidth], offset[kPanelWidth], table[16];
+  for (int n = 0; n < kPanelWidth; ++n) {
+    scale[n] = GroupScales<M>::scale(block, n);
+    offset[n] = kNibbles<M> ? GroupScales<M>::offset(block, n) : 0.0f;
+  }
+  for (int c = 0; c < 16; ++c) table[c] = static_cast<float>(weight_value<M>(static_cast<uint8_t>(c)));
+  const __m512 vs = _mm512_load_ps(scale), vo = _mm512_load_ps(offset), vt = _mm512_load_ps(table);
+  const __m512i mask = _mm512_set1_epi32(kNibbles<M> ? 0x0f : 0xff);
+  for (int q = 0; q < 4; ++q) {
+    const int k = kin + 4 * q;  // packed row of K-values k..k + 3
+    int row = k / 4, shift = 0;
+    if constexpr (kNibbles<M>)
+      if (k >= group / 2) row -= group / 8, shift = 4;
+    const __m512i v = _mm512_loadu_si512(g + row * 64);
+    __m512i bits[4];
+    for (int j = 0; j < 4; ++j) {
+      const __m512i code = _mm512_and_si512(_mm512_srli_epi32(v, 8 * j + shift), mask);
+      const __m512 value = kNibbles<M> ? _mm512_permutexvar_ps(code, vt)
+                                       : _mm512_cvtepi32_ps(_mm512_sub_epi32(code, _mm512_set1_epi32(128)));
+      const __m512i b = _mm512_castps_si512(_mm512_fmadd_ps(value, vs, vo));
+      const __m512i round = _mm512_add_epi32(
+          _mm512_set1_epi32(0x7fff), _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1)));
+      bits[j] = _mm512_srli_epi32(_mm512_add_epi32(b, round), 16);
+    }
+    for (int j = 0; j < 4; j += 2)  // pair rows: K-values k + j, k + j + 1 per channel
+      _mm512_store_si512(stage + (2 * q + j / 2) * 32,
+                         _mm512_or_si512(bits[j], _mm512_slli_epi32(bits[j + 1], 16)));
+  }
+}
+
 // Columns [k0, k0 + 64) of W [N, K] (packed panels) as 4 bf16 panels of W^T in BF16's packed layout
-// (16 output channels x pairs of reduction values per 64-byte row), reduction padded to Nr
-// (a multiple of 64) with zeros.
+// (16 output channels x pairs of reduction values per 64-byte row), reduction padded to Nr (a
+// multiple of 64) with zeros. Tile by tile of 16 x 16: BF16's packed rows are read in place, other
+// methods' weights are decoded to bf16 rows first (one rounding of scale * value).
 template <Method M>
 void decode_transposed(const uint8_t* panels, int group, int64_t N, int64_t K, int64_t k0, int64_t Nr,
-                       uint16_t* wt) {
+                       bool avx512, uint16_t* wt) {
+  const TransposeTileFn transpose = avx512 ? transpose_tile_avx512 : transpose_tile_scalar;
   const int64_t pbytes = panel_bytes(M, group, K), gbytes = group_bytes(M, group);
   const int64_t panel_t = Nr * kPanelWidth;  // bf16 values per panel of W^T
+  alignas(64) uint16_t stage[8 * 32];
   for (int64_t p = 0; p < N / kPanelWidth; ++p) {
     const uint8_t* panel = panels + p * pbytes;
-    for (int kk = 0; kk < kColBlock; ++kk) {
-      const int64_t k = k0 + kk;
+    // W^T's rows for reduction values 16p..16p + 15: 8 rows of 32 bf16 in group (16p) / 64
+    uint16_t* dst = wt + (p / 4) * 64 * kPanelWidth + (p % 4) * 8 * 32;
+    for (int t = 0; t < kColBlock / kPanelWidth; ++t) {
+      const int64_t k = k0 + t * kPanelWidth;
       const uint8_t* g = panel + (k / group) * gbytes;
       const int kin = static_cast<int>(k % group);
-      uint16_t* col = wt + (kk / kPanelWidth) * panel_t + 2 * (kk % kPanelWidth);
-      for (int nn = 0; nn < kPanelWidth; ++nn) {
-        const int64_t n = p * kPanelWidth + nn;
-        const int64_t at = (n / 64) * 64 * kPanelWidth + ((n % 64) / 2 * kPanelWidth) * 2 + n % 2;
-        if constexpr (M == Method::kBf16)
-          col[at] = reinterpret_cast<const uint16_t*>(g)[((kin / 2) * kPanelWidth + nn) * 2 + kin % 2];
-        else
-          col[at] = float_to_bf16(kernels::packed_value<M>(g, group, nn, kin));
+      const uint16_t* src = stage;
+      if constexpr (M == Method::kBf16) {
+        src = reinterpret_cast<const uint16_t*>(g) + (kin / 2) * 32;
+      } else if constexpr (kernels::kIntegerMethod<M>) {
+        (avx512 ? decode_tile_avx512<M> : decode_tile_scalar<M>)(g, group, kin, stage);
+      } else {
+        decode_tile_scalar<M>(g, group, kin, stage);
       }
+      transpose(src, dst + t * panel_t);
     }
   }
   for (int j = 0; j < kColBlock / kPanelWidth; ++j)  // the reduction's zero padding
     std::fill(wt + j * panel_t + N * kPanelWidth, wt + (j + 1) * panel_t, uint16_t{0});
 }
 
-using DecodeTransposedFn = void (*)(const uint8_t*, int, int64_t, int64_t, int64_t, int64_t, uint16_t*);
+using DecodeTransposedFn = void (*)(const uint8_t*, int, int64_t, int64_t, int64_t, int64_t, bool, uint16_t*);
 
 template <int... Ms>
 constexpr auto make_decoders(std::integer_sequence<int, Ms...>) {
@@ -179,7 +276,7 @@ void gemm_transposed(const KernelTable& table, Method method, int group, const u
   auto& sc = *thread_scratch<Decoded>();
   const int64_t Nr = round_up(N, kKAlign);
   grow(sc.wt, static_cast<size_t>(Nr * kColBlock));
-  kDecoders[static_cast<int>(method)](panels, group, N, K, k0, Nr, sc.wt.data());
+  kDecoders[static_cast<int>(method)](panels, group, N, K, k0, Nr, table.isa >= Isa::kAvx512, sc.wt.data());
   const Bf16Rows a{rows, kChunkBytes};
   table.method(Method::kBf16)
       .gemm_a16(m, Nr, kKAlign, a, reinterpret_cast<const uint8_t*>(sc.wt.data()),
