@@ -40,8 +40,9 @@ namespace {
 
 constexpr int kMaxCallRows = 256;  // rows per GEMM call: bounds per-thread scratch
 constexpr int kMaxPhasePools = 64;
-constexpr int64_t kColBlock = 64;      // columns of one transposed-product call (4 panels of W^T)
-constexpr int64_t kDownRunPanels = 8;  // output panels of one down work item
+constexpr int64_t kColBlock = 64;        // columns of one transposed-product call (4 panels of W^T)
+constexpr int64_t kDownRunPanels = 32;   // output panels of one down work item
+constexpr int64_t kGateUpRunBlocks = 4;  // gate/up blocks of one work item
 
 template <class Vector>
 void grow(Vector& v, size_t n) {
@@ -123,14 +124,18 @@ void load_f32(const void* src, DType dtype, int64_t offset, int64_t rows, int64_
     }
 }
 
-// dst[offset + i] += src[i] in the gradients' dtype.
-void add_into(void* dst, DType dtype, int64_t offset, const float* src, int64_t n) {
-  if (dtype == DType::kFloat32) {
-    float* d = static_cast<float*>(dst) + offset;
-    for (int64_t i = 0; i < n; ++i) d[i] += src[i];
-  } else {
-    uint16_t* d = static_cast<uint16_t*>(dst) + offset;
-    for (int64_t i = 0; i < n; ++i) d[i] = float_to_bf16(bf16_to_float(d[i]) + src[i]);
+// dst[offset + i] += src[i] for n values in the gradients' dtype; with `cols` > 0 src holds the
+// [n / cols, cols] block transposed ([cols, n / cols]).
+void add_into(void* dst, DType dtype, int64_t offset, const float* src, int64_t n, int64_t cols) {
+  const int64_t rows = cols > 0 ? n / cols : 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = cols > 0 ? src[(i % cols) * rows + i / cols] : src[i];
+    if (dtype == DType::kFloat32) {
+      static_cast<float*>(dst)[offset + i] += v;
+    } else {
+      uint16_t& d = static_cast<uint16_t*>(dst)[offset + i];
+      d = float_to_bf16(bf16_to_float(d) + v);
+    }
   }
 }
 
@@ -537,41 +542,47 @@ void SftMoe::forward_task(const SftForwardArgs& args, SftSaved& s, const WorkerC
   });
   ctx.barrier();
 
-  // 2. Gate and up per pool and block of intermediate channels (+ s xa B^T), then h.
+  // 2. Gate and up per pool and run of blocks of intermediate channels (+ s xa B^T), then h. A run
+  // of blocks is one GEMM call: one pass over the expert's rows for several blocks' weights.
   guarded(runner, ws.failed, [&] {
     const MoeLayer::PackedSlice ps = layer_.packed_slice(ctx.pool);
     const int64_t blocks = (ps.i_end - ps.i_begin) / d.width;
+    const int64_t runs = (blocks + kGateUpRunBlocks - 1) / kGateUpRunBlocks;
     const int64_t panel = panel_bytes(mc.method, d.G, d.Hp);
-    const int64_t ldc = 2 * d.width;
     WorkerScratch& sc = worker_scratch();
-    grow(sc.c, kMaxCallRows * ldc), grow(sc.w0, 2 * r * d.width);
-    for_each_item(ws.counters[1][ctx.pool].value, nactive * blocks, [&](int64_t item) {
-      const int e = s.active[item / blocks];
-      const int64_t b = item % blocks, i0 = ps.i_begin + b * d.width;
-      const int64_t lora_rows = std::clamp<int64_t>(d.I - i0, 0, d.width);  // adapter rows in the block
-      float* bt_gate = sc.w0.data();
-      float* bt_up = sc.w0.data() + r * d.width;
-      if (lora) {  // B's rows of the block transposed, [r, width], zero past I
-        std::fill(sc.w0.begin(), sc.w0.begin() + 2 * r * d.width, 0.0f);
-        load_f32(L.weight[kGateB], L.dtype, (e * d.I + i0) * r, lora_rows, r, r, true, bt_gate, d.width);
-        load_f32(L.weight[kUpB], L.dtype, (e * d.I + i0) * r, lora_rows, r, r, true, bt_up, d.width);
+    grow(sc.c, kMaxCallRows * 2 * d.width * kGateUpRunBlocks),
+        grow(sc.w0, 2 * r * d.width * kGateUpRunBlocks);
+    for_each_item(ws.counters[1][ctx.pool].value, nactive * runs, [&](int64_t item) {
+      const int e = s.active[item / runs];
+      const int64_t b0 = item % runs * kGateUpRunBlocks, nb = std::min(kGateUpRunBlocks, blocks - b0);
+      const int64_t i0 = ps.i_begin + b0 * d.width, cols = nb * d.width, ldc = 2 * cols;
+      float* bt_gate = sc.w0.data();  // B's rows [i0, i0 + cols) transposed, [r, cols], zero past I
+      float* bt_up = sc.w0.data() + r * cols;
+      if (lora) {
+        const int64_t lora_rows = std::clamp<int64_t>(d.I - i0, 0, cols);
+        std::fill(sc.w0.begin(), sc.w0.begin() + 2 * r * cols, 0.0f);
+        load_f32(L.weight[kGateB], L.dtype, (e * d.I + i0) * r, lora_rows, r, r, true, bt_gate, cols);
+        load_f32(L.weight[kUpB], L.dtype, (e * d.I + i0) * r, lora_rows, r, r, true, bt_up, cols);
       }
-      const uint8_t* w = ps.gate_up + e * ps.gate_up_bytes + b * 2 * (d.width / kPanelWidth) * panel;
+      const uint8_t* w = ps.gate_up + e * ps.gate_up_bytes + b0 * 2 * (d.width / kPanelWidth) * panel;
       for (int64_t r0 = s.offsets[e]; r0 < s.offsets[e + 1]; r0 += kMaxCallRows) {
         const int m = static_cast<int>(std::min<int64_t>(kMaxCallRows, s.offsets[e + 1] - r0));
         for (int i = 0; i < m; ++i) sc.ptrs[i] = s.x.data() + (r0 + i) * d.Hp;
         gemm(m, d.Hp, d.G, Bf16Rows{sc.ptrs.data(), kChunkBytes}, w, static_cast<int>(ldc / kPanelWidth),
              sc.c.data(), ldc);
-        if (lora) {
-          const float* xa = s.xa.data() + r0 * 2 * r;
-          gemm_nn(m, d.width, r, d.scale, xa, 2 * r, bt_gate, d.width, sc.c.data(), ldc);
-          gemm_nn(m, d.width, r, d.scale, xa + r, 2 * r, bt_up, d.width, sc.c.data() + d.width, ldc);
-        }
-        for (int i = 0; i < m; ++i) {
-          const int64_t at = (r0 + i) * d.Ip + i0;
-          std::memcpy(s.g.data() + at, sc.c.data() + i * ldc, d.width * 4);
-          std::memcpy(s.u.data() + at, sc.c.data() + i * ldc + d.width, d.width * 4);
-          layer_.kernels().silu_mul(s.g.data() + at, s.u.data() + at, d.width, s.h.data() + at);
+        const float* xa = s.xa.data() + r0 * 2 * r;
+        for (int64_t bb = 0; bb < nb; ++bb) {
+          float* cg = sc.c.data() + bb * 2 * d.width;  // the block's gate columns, then its up columns
+          if (lora) {
+            gemm_nn(m, d.width, r, d.scale, xa, 2 * r, bt_gate + bb * d.width, cols, cg, ldc);
+            gemm_nn(m, d.width, r, d.scale, xa + r, 2 * r, bt_up + bb * d.width, cols, cg + d.width, ldc);
+          }
+          for (int i = 0; i < m; ++i) {
+            const int64_t at = (r0 + i) * d.Ip + i0 + bb * d.width;
+            std::memcpy(s.g.data() + at, cg + i * ldc, d.width * 4);
+            std::memcpy(s.u.data() + at, cg + i * ldc + d.width, d.width * 4);
+            layer_.kernels().silu_mul(s.g.data() + at, s.u.data() + at, d.width, s.h.data() + at);
+          }
         }
       }
     });
@@ -685,10 +696,10 @@ void SftMoe::backward_task(const SftBackwardArgs& args, const SftSaved& s, const
       }
       if (!lora) return;
       grow(sc.w0, d.H * r), grow(sc.rows0, d.H);
-      load_f32(L.weight[kDownB], L.dtype, e * d.H * r, d.H, r, r, false, sc.w0.data(), r);
+      load_f32(L.weight[kDownB], L.dtype, e * d.H * r, d.H, r, r, true, sc.w0.data(), d.H);  // [r, H]
       for (int64_t row = s.offsets[e]; row < s.offsets[e + 1]; ++row) {
         bf16_row_to_float(ws.dy.data() + row * d.Hp, d.H, sc.rows0.data());
-        gemm_nn(1, r, d.H, 1.0f, sc.rows0.data(), d.H, sc.w0.data(), r, ws.dyb.data() + row * r, r);
+        gemm_nt(1, r, d.H, 1.0f, sc.rows0.data(), d.H, sc.w0.data(), d.H, ws.dyb.data() + row * r, r);
       }
     });
   });
@@ -725,7 +736,8 @@ void SftMoe::backward_task(const SftBackwardArgs& args, const SftSaved& s, const
   guarded(runner, ws.failed, [&] {
     WorkerScratch& sc = worker_scratch();
     const int64_t H = d.H, I = d.I, Ip = d.Ip;
-    // One expert's gradients: A_gate, A_up [r, H]; B_gate, B_up [I, r]; A_down [r, I]; B_down [H, r].
+    // One expert's gradients: A_gate, A_up [r, H]; B_gate, B_up, B_down transposed, [r, I] and [r, H];
+    // A_down [r, I].
     const int64_t grad_at[kNumLoraTensors + 1] = {0,
                                                   r * H,
                                                   r * H + I * r,
@@ -739,9 +751,9 @@ void SftMoe::backward_task(const SftBackwardArgs& args, const SftSaved& s, const
       grow(sc.grads, grad_at[kNumLoraTensors]);
       if (lora) {
         std::fill(sc.grads.begin(), sc.grads.begin() + grad_at[kNumLoraTensors], 0.0f);
-        grow(sc.w1, 2 * I * r);  // B_gate, B_up [I, r]
-        load_f32(L.weight[kGateB], L.dtype, e * I * r, I, r, r, false, sc.w1.data(), r);
-        load_f32(L.weight[kUpB], L.dtype, e * I * r, I, r, r, false, sc.w1.data() + I * r, r);
+        grow(sc.w1, 2 * I * r);  // B_gate, B_up transposed, [r, I] each
+        load_f32(L.weight[kGateB], L.dtype, e * I * r, I, r, r, true, sc.w1.data(), I);
+        load_f32(L.weight[kUpB], L.dtype, e * I * r, I, r, r, true, sc.w1.data() + I * r, I);
       }
       float* g_ga = sc.grads.data() + grad_at[kGateA];
       float* g_gb = sc.grads.data() + grad_at[kGateB];
@@ -785,24 +797,27 @@ void SftMoe::backward_task(const SftBackwardArgs& args, const SftSaved& s, const
           for (int64_t j = 0; j < H; ++j) wdy[i * H + j] *= w;
         }
         gemm_tn(r, I, m, d.scale, wdyb, r, hf, Ip, g_da, I);
-        gemm_tn(H, r, m, d.scale, wdy, H, s.ha.data() + r0 * r, r, g_db, r);
+        gemm_tn(r, H, m, d.scale, s.ha.data() + r0 * r, r, wdy, H, g_db, H);  // transposed, [r, H]
         // Gate and up: dB += s dg^T xa, dgb = dg B, dA += s dgb^T x.
         const float* dg = ws.dg.data() + r0 * Ip;
         const float* du = ws.du.data() + r0 * Ip;
         const float* xa = s.xa.data() + r0 * 2 * r;
         float* dgub = ws.dgub.data() + r0 * 2 * r;
-        gemm_tn(I, r, m, d.scale, dg, Ip, xa, 2 * r, g_gb, r);
-        gemm_tn(I, r, m, d.scale, du, Ip, xa + r, 2 * r, g_ub, r);
-        gemm_nn(m, r, I, 1.0f, dg, Ip, sc.w1.data(), r, dgub, 2 * r);
-        gemm_nn(m, r, I, 1.0f, du, Ip, sc.w1.data() + I * r, r, dgub + r, 2 * r);
+        gemm_tn(r, I, m, d.scale, xa, 2 * r, dg, Ip, g_gb, I);  // transposed, [r, I]
+        gemm_tn(r, I, m, d.scale, xa + r, 2 * r, du, Ip, g_ub, I);
+        gemm_nt(m, r, I, 1.0f, dg, Ip, sc.w1.data(), I, dgub, 2 * r);
+        gemm_nt(m, r, I, 1.0f, du, Ip, sc.w1.data() + I * r, I, dgub + r, 2 * r);
         float* xf = sc.rows1.data();  // x rows, fp32 [m, H]
         for (int64_t i = 0; i < m; ++i) bf16_row_to_float(s.x.data() + (r0 + i) * d.Hp, H, xf + i * H);
         gemm_tn(r, H, m, d.scale, dgub, 2 * r, xf, H, g_ga, H);
         gemm_tn(r, H, m, d.scale, dgub + r, 2 * r, xf, H, g_ua, H);
       }
       if (lora)
-        for (int t = 0; t < kNumLoraTensors; ++t)
-          add_into(L.grad[t], L.dtype, e * grad_offset[t], sc.grads.data() + grad_at[t], grad_offset[t]);
+        for (int t = 0; t < kNumLoraTensors; ++t) {
+          const bool transposed = t == kGateB || t == kUpB || t == kDownB;  // computed as [r, rows]
+          add_into(L.grad[t], L.dtype, e * grad_offset[t], sc.grads.data() + grad_at[t], grad_offset[t],
+                   transposed ? r : 0);
+        }
     });
   });
   ctx.barrier();
