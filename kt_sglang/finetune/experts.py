@@ -136,6 +136,7 @@ class LoRAExperts(torch.nn.Module):
         ids = top_k_index.reshape(hidden.shape[0], -1)
         weights = top_k_weights.reshape(hidden.shape[0], -1)
         if not torch.is_grad_enabled():
+            self._sync_registration()
             out = self.wrapper.forward(hidden, ids, weights, save_for_backward=False)
             return out.to(device=hidden.device, dtype=hidden.dtype).reshape(shape)
         out = ExpertsFunction.apply(hidden, weights, ids, self, *self.adapters)
