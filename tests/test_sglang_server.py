@@ -236,6 +236,53 @@ def test_qwen3_moe_serves_an_int4_checkpoint_as_it_ships(qwen, tmp_path):
     assert (served - _chosen_logprobs(standalone, prompts)).abs().max() < LOGPROB_TOL
 
 
+def _expert_adapter(model_dir: Path, out: Path) -> Path:
+    """A LoRA adapter of the tiny model's routed experts (random, B != 0), saved in PEFT's format."""
+    from kt_sglang.finetune.hf import attach_lora_experts, save_expert_adapter
+
+    modules = attach_lora_experts(_hf_model(model_dir), rank=4, alpha=8.0, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for m in modules.values():
+            for p in (m.gate_lora_b, m.up_lora_b, m.down_lora_b):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+    return save_expert_adapter(modules, out)
+
+
+def _merged_model(model_dir: Path, adapter_dir: Path):
+    """HF's model (float32) with the adapter merged into every expert."""
+    from kt_sglang.finetune.adapter import ExpertAdapter
+
+    model = _hf_model(model_dir)
+    adapter, cfg = ExpertAdapter(adapter_dir), model.config
+    with torch.no_grad():
+        for i, layer in enumerate(model.model.layers):
+            experts = layer.mlp.experts
+            E, H, I = experts.down_proj.shape
+            gate, up, down = adapter.deltas(i, list(range(E)), E, H, I)
+            experts.gate_up_proj += torch.cat([gate, up], dim=1)
+            experts.down_proj += down
+    assert cfg.num_experts == E
+    return model
+
+
+def test_qwen3_moe_serves_an_expert_adapter(qwen, tmp_path):
+    """--kt-expert-lora-path: the adapter merged into the CPU experts and the hot ones; the server's
+    greedy ids and log-probabilities follow HF's float32 model with the adapter merged, and differ
+    from the base model's."""
+    model_dir, base_prompts = qwen
+    adapter = _expert_adapter(model_dir, tmp_path / "adapter")
+    merged = _merged_model(model_dir, adapter)
+    prompts = _reference(merged)
+    logprobs: list = []
+    args = [*_kt(model_dir, "BF16", gpu_experts=2), "--kt-expert-lora-path", str(adapter)]
+    outs, _ = _serve_and_generate(model_dir, args, prompts, tmp_path / "server.log", logprobs)
+    assert outs == [ids for _, ids in prompts]
+    served = torch.tensor(logprobs)
+    assert (served - _chosen_logprobs(merged, prompts)).abs().max() < LOGPROB_TOL
+    assert (served - _chosen_logprobs(_hf_model(model_dir), prompts)).abs().max() > 10 * LOGPROB_TOL
+
+
 def _launch_error(args: list[str]) -> subprocess.CompletedProcess:
     cmd = server_command(args[0], CPU_DEVICE_ARGS + args[1:], free_port())
     return subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=args[0])
@@ -252,6 +299,10 @@ def _launch_error(args: list[str]) -> subprocess.CompletedProcess:
         (["--kt-expert-placement-strategy", "frequency"], "frequency needs --kt-placement-stats"),
         (["--kt-numa-nodes", "7"], "--kt-numa-nodes names node(s) [7] that this machine lacks"),
         (["--kt-cpuinfer", "0"], "--kt-cpuinfer 0: this machine has"),
+        (
+            ["--kt-expert-lora-path", "/nonexistent"],
+            "--kt-expert-lora-path: /nonexistent is not a PEFT adapter",
+        ),
     ],
 )
 def test_bad_flags_stop_the_launcher_with_one_message(qwen, flags, message):

@@ -72,6 +72,10 @@ def main(argv: list[str] | None = None) -> int:
     from kt_sglang.cli.bench import add_arguments
 
     add_arguments(bench)
+    finetune = sub.add_parser("finetune", help="LoRA on a MoE model's routed experts on the CPU engine")
+    from kt_sglang.finetune.train import add_arguments as add_finetune_arguments
+
+    add_finetune_arguments(finetune)
     model = None  # `serve MODEL ...`: taken here, as a positional would take SGLang's option values
     if argv[:1] == ["serve"] and len(argv) > 1 and not argv[1].startswith("-"):
         model, argv = argv[1], argv[:1] + argv[2:]
@@ -114,6 +118,10 @@ def main(argv: list[str] | None = None) -> int:
         from kt_sglang.cli.bench import run_from_args
 
         return run_from_args(args)
+    if args.command == "finetune":
+        from kt_sglang.finetune.train import run
+
+        return run(args)
     return 2
 
 

@@ -106,6 +106,7 @@ class KTMoEWrapper:
         isa: str | None = None,
         activation: Glu = SILU,
         mode: str = "inference",
+        expert_lora_path: str | None = None,
     ) -> None:
         if mode != "inference":
             raise ValueError(
@@ -160,6 +161,7 @@ class KTMoEWrapper:
             activation.alpha,
         )
         self.activation = activation
+        self.expert_lora_path = expert_lora_path
         # Two submission streams: the layer's immediate experts and its deferred ones (which run
         # while the next layer computes), each with its own buffers and at most one pending task.
         self._sets = {False: _BufferSet({}), True: _BufferSet({})}
@@ -339,6 +341,12 @@ class KTMoEWrapper:
         in_layer = self.layer_idx in spec.moe_layers
         fmt = ckpt.expert_format(self.layer_idx) if in_layer else None
         if in_layer and (not info.quantizes_dense or fmt == info.checkpoint_format):
+            if self.expert_lora_path:
+                raise CheckpointError(
+                    f"{ckpt.path}: {self.method.value} takes the checkpoint's {fmt} values as they are; an "
+                    "expert adapter is merged into dense weights before quantizing: use a method the "
+                    "engine quantizes to"
+                )
             if fmt == info.checkpoint_format and fmt in INT4_FORMATS:  # else: the reader names the format
                 found = ckpt.int4_group(self.layer_idx, self.method)
                 if found != self.group_size:
@@ -350,10 +358,23 @@ class KTMoEWrapper:
             self.load_canonical(*([m[position[e]] for e in slots] for m in mats))
         else:
             gate, up, down = ckpt.layer_experts(self.layer_idx, needed)
+            if self.expert_lora_path:
+                gate, up, down = self._merge_adapter(needed, spec.num_experts, gate, up, down)
             self.load_weights_from_tensors(gate, up, down, [position[e] for e in slots])
         biases = ckpt.layer_biases(self.layer_idx, needed) if in_layer else (None, None, None)
         if any(b is not None for b in biases):
             self.load_biases(*biases, physical_to_logical_map=[position[e] for e in slots])
+
+    def _merge_adapter(self, experts: list[int], num_experts: int, gate, up, down):
+        """The experts' weights plus the adapter's scale * B A (float32), when it has this layer."""
+        from kt_sglang.finetune.adapter import ExpertAdapter
+
+        deltas = ExpertAdapter(self.expert_lora_path).deltas(
+            self.layer_idx, experts, num_experts, self.hidden_size, self.moe_intermediate_size
+        )
+        if deltas is None:
+            return gate, up, down
+        return tuple((w.float() + d).contiguous() for w, d in zip((gate, up, down), deltas, strict=True))
 
     def _load_canonical_dir(self, physical_to_logical_map) -> None:
         from pathlib import Path
@@ -362,6 +383,11 @@ class KTMoEWrapper:
         from kt_sglang.weights.checkpoint import CheckpointError
 
         directory = Path(self.weight_path)
+        if self.expert_lora_path:
+            raise CheckpointError(
+                f"{directory} holds converted weights; an expert adapter is merged into the checkpoint's "
+                "dense weights before quantizing: load from the checkpoint itself"
+            )
         m = Manifest.read(directory)
         where = str(directory / MANIFEST)
         if m.method != self.method.value or m.group_size != self.group_size:

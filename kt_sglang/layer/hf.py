@@ -35,12 +35,17 @@ def replace_experts(
     deferred: int = 0,
     group_size: int | None = None,
     threads: int = 2,
+    expert_lora_path: str | Path | None = None,
 ) -> list[HybridMoELayer]:
     """Swaps every MoE block's experts of a Qwen3-MoE or Mixtral ``model`` for our layers, in place.
 
     ``weight_path`` is the HF checkpoint (quantized at load for quantized methods) or a directory
     written by ``kt-sglang convert-cpu``; hot experts take the model's own bf16 weights.
+    ``expert_lora_path`` (a PEFT adapter of the routed experts) is merged into the CPU experts before
+    they are quantized, as ``--kt-expert-lora-path`` does; it needs ``hot=0``.
     """
+    if expert_lora_path and hot:
+        raise ValueError("replace_experts merges an expert adapter into the CPU experts only: use hot=0")
     cfg = model.config
     num_experts = getattr(cfg, "num_experts", None) or cfg.num_local_experts
     intermediate = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
@@ -50,6 +55,7 @@ def replace_experts(
         experts = KTMoEWrapper(
             i, num_experts, cfg.num_experts_per_tok, cfg.hidden_size, intermediate, None, threads, 1,
             weight_path=str(weight_path), method=method, group_size=group_size,
+            expert_lora_path=str(expert_lora_path) if expert_lora_path else None,
         )  # fmt: skip
         experts.load_weights()
         hybrid = HybridMoELayer(

@@ -189,6 +189,7 @@ class KTEPWrapperMethod(FusedMoEMethodBase):
                 method=s.method,
                 numa_nodes=s.numa_nodes,
                 activation=checkpoint_activation(s.weight_path),
+                expert_lora_path=s.expert_lora_path,
             )
         if self.settings.record_placement_stats and self.tp_rank == 0:
             global _recorder
@@ -199,7 +200,33 @@ class KTEPWrapperMethod(FusedMoEMethodBase):
         """The loader's checkpoint expert id -> its GPU slot, -1 when the expert is cold."""
         return int(self.gpu_slot_of[expert_id]) if 0 <= expert_id < self.global_num_experts else -1
 
+    def merge_hot_adapter(self, layer: torch.nn.Module) -> None:
+        """Adds the expert adapter's scale * B A to the hot experts' weights as SGLang loaded them
+        (w13 [hot, 2I, H]: gate rows, then up rows; w2 [hot, H, I])."""
+        from kt_sglang.finetune.adapter import ExpertAdapter
+
+        w13, w2 = getattr(layer, "w13_weight", None), getattr(layer, "w2_weight", None)
+        if w13 is None or w2 is None or not w13.dtype.is_floating_point or w13.dtype.itemsize < 2:
+            raise ValueError(
+                f"MoE layer {self.layer_idx}: --kt-expert-lora-path merges into unquantized GPU experts "
+                "only; serve the hot experts in bf16 (or use --kt-num-gpu-experts 0)"
+            )
+        I, H = w2.shape[2], w2.shape[1]
+        deltas = ExpertAdapter(self.settings.expert_lora_path).deltas(
+            self.layer_idx, self.hot_experts, self.global_num_experts, H, I
+        )
+        if deltas is None:
+            return
+        gate, up, down = deltas
+        with torch.no_grad():
+            for e, g, u, d in zip(self.hot_experts, gate, up, down, strict=True):
+                slot = self.gpu_slot(e)
+                w13[slot] += torch.cat([g, u]).to(device=w13.device, dtype=w13.dtype)
+                w2[slot] += d.to(device=w2.device, dtype=w2.dtype)
+
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        if self.settings.expert_lora_path and self.num_hot:
+            self.merge_hot_adapter(layer)
         if hasattr(self.gpu_method, "process_weights_after_loading"):
             self.gpu_method.process_weights_after_loading(layer)
         if self.wrapper is None:

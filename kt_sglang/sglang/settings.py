@@ -36,6 +36,7 @@ class KtSettings:
     placement_strategy: str
     placement_stats: str | None
     record_placement_stats: str | None
+    expert_lora_path: str | None = None
 
     def to_env(self) -> None:
         os.environ[ENV_VAR] = json.dumps(asdict(self))
@@ -77,6 +78,12 @@ def add_extra_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGrou
     )
     parser.add_argument(
         "--kt-placement-stats", default=None, help="routing statistics file read by the frequency strategy"
+    )
+    parser.add_argument(
+        "--kt-expert-lora-path",
+        default=None,
+        help="a PEFT adapter directory of the routed experts (kt-sglang finetune writes one): merged into "
+        "the CPU and GPU experts' weights at load",
     )
     parser.add_argument(
         "--kt-record-placement-stats",
@@ -240,9 +247,37 @@ def resolve(server_args, extra: argparse.Namespace, argv: list[str]) -> KtSettin
         placement_strategy=extra.kt_expert_placement_strategy,
         placement_stats=extra.kt_placement_stats,
         record_placement_stats=extra.kt_record_placement_stats,
+        expert_lora_path=extra.kt_expert_lora_path,
     )
     check_against_model(settings, server_args.model_path)
+    if settings.expert_lora_path:
+        check_expert_adapter(settings)
     return settings
+
+
+def check_expert_adapter(settings: KtSettings) -> None:
+    """The adapter opens, and the CPU experts can take it: it is merged into dense weights before the
+    engine quantizes them, so --kt-weight-path must be a checkpoint of bf16 / fp16 / fp32 (or FP8)
+    experts and --kt-method one the engine quantizes to."""
+    from kt_sglang.engine.methods import METHODS, Method
+    from kt_sglang.finetune.adapter import AdapterError, ExpertAdapter
+    from kt_sglang.weights.canonical_files import is_canonical_dir
+
+    try:
+        ExpertAdapter(settings.expert_lora_path)
+    except AdapterError as exc:
+        raise KtSettingsError(f"--kt-expert-lora-path: {exc}") from None
+    quantizing = [m.value for m, info in METHODS.items() if info.quantizes_dense]
+    if not METHODS[Method(settings.method)].quantizes_dense:
+        raise KtSettingsError(
+            f"--kt-expert-lora-path with --kt-method {settings.method}: the adapter is merged into the "
+            f"weights before they are quantized; use one of {', '.join(quantizing)}"
+        )
+    if is_canonical_dir(settings.weight_path):
+        raise KtSettingsError(
+            f"--kt-expert-lora-path with a converted --kt-weight-path ({settings.weight_path}): the adapter "
+            "is merged before quantizing; point --kt-weight-path at the model's checkpoint instead"
+        )
 
 
 def check_against_model(settings: KtSettings, model_path: str) -> None:
