@@ -180,6 +180,27 @@ __attribute__((target("avx512f,avx512bw"))) void transpose_tile_avx512(const uin
   }
 }
 
+// The same with AVX2: the middle values swapped as above, then the 8 x 8 units transposed as four
+// 4 x 4 blocks (unpack pairs of rows, then swap 128-bit halves).
+__attribute__((target("avx2"))) void transpose_tile_avx2(const uint16_t* src, uint16_t* dst) {
+  const __m256i swap = _mm256_setr_epi8(0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15, 0, 1, 4, 5, 2,
+                                        3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15);
+  for (int a = 0; a < 2; ++a)      // rows 4a..4a + 3 of src: units 4a..4a + 3 of each dst row
+    for (int b = 0; b < 2; ++b) {  // units 4b..4b + 3 of src rows: dst rows 4b..4b + 3
+      __m256i r[4];
+      for (int i = 0; i < 4; ++i)
+        r[i] = _mm256_shuffle_epi8(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + (4 * a + i) * 32 + 16 * b)), swap);
+      const __m256i t0 = _mm256_unpacklo_epi64(r[0], r[1]), t1 = _mm256_unpackhi_epi64(r[0], r[1]),
+                    t2 = _mm256_unpacklo_epi64(r[2], r[3]), t3 = _mm256_unpackhi_epi64(r[2], r[3]);
+      const __m256i out[4] = {
+          _mm256_permute2x128_si256(t0, t2, 0x20), _mm256_permute2x128_si256(t1, t3, 0x20),
+          _mm256_permute2x128_si256(t0, t2, 0x31), _mm256_permute2x128_si256(t1, t3, 0x31)};
+      for (int j = 0; j < 4; ++j)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + (4 * b + j) * 32 + 16 * a), out[j]);
+    }
+}
+
 using TransposeTileFn = void (*)(const uint16_t*, uint16_t*);
 
 // 16 channels x 16 K-values (kin, a multiple of 16, within group g) of a quantized method as bf16
@@ -229,14 +250,60 @@ __attribute__((target("avx512f,avx512bw"))) void decode_tile_avx512(const uint8_
   }
 }
 
+// The same with AVX2, 8 channels a vector: the nibbles' 16-entry table is two 8-entry lookups.
+template <Method M>
+__attribute__((target("avx2,fma"))) void decode_tile_avx2(const uint8_t* g, int group, int kin,
+                                                          uint16_t* stage) {
+  using namespace kernels;
+  const uint8_t* block = g + group_weight_bytes(M, group);
+  alignas(32) float scale[kPanelWidth], offset[kPanelWidth], table[16];
+  for (int n = 0; n < kPanelWidth; ++n) {
+    scale[n] = GroupScales<M>::scale(block, n);
+    offset[n] = kNibbles<M> ? GroupScales<M>::offset(block, n) : 0.0f;
+  }
+  for (int c = 0; c < 16; ++c) table[c] = static_cast<float>(weight_value<M>(static_cast<uint8_t>(c)));
+  const __m256 t_lo = _mm256_load_ps(table), t_hi = _mm256_load_ps(table + 8);
+  const __m256i mask = _mm256_set1_epi32(kNibbles<M> ? 0x0f : 0xff), seven = _mm256_set1_epi32(7);
+  for (int q = 0; q < 4; ++q) {
+    const int k = kin + 4 * q;  // packed row of K-values k..k + 3
+    int row = k / 4, shift = 0;
+    if constexpr (kNibbles<M>)
+      if (k >= group / 2) row -= group / 8, shift = 4;
+    for (int h = 0; h < 2; ++h) {  // channels 8h..8h + 7
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + row * 64 + 32 * h));
+      const __m256 vs = _mm256_load_ps(scale + 8 * h), vo = _mm256_load_ps(offset + 8 * h);
+      __m256i bits[4];
+      for (int j = 0; j < 4; ++j) {
+        const __m256i code = _mm256_and_si256(_mm256_srli_epi32(v, 8 * j + shift), mask);
+        __m256 value;
+        if constexpr (kNibbles<M>) {
+          value = _mm256_blendv_ps(_mm256_permutevar8x32_ps(t_lo, code), _mm256_permutevar8x32_ps(t_hi, code),
+                                   _mm256_castsi256_ps(_mm256_cmpgt_epi32(code, seven)));
+        } else {
+          value = _mm256_cvtepi32_ps(_mm256_sub_epi32(code, _mm256_set1_epi32(128)));
+        }
+        const __m256i b = _mm256_castps_si256(_mm256_fmadd_ps(value, vs, vo));
+        const __m256i round = _mm256_add_epi32(
+            _mm256_set1_epi32(0x7fff), _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1)));
+        bits[j] = _mm256_srli_epi32(_mm256_add_epi32(b, round), 16);
+      }
+      for (int j = 0; j < 4; j += 2)  // pair rows: K-values k + j, k + j + 1 per channel
+        _mm256_store_si256(reinterpret_cast<__m256i*>(stage + (2 * q + j / 2) * 32 + 16 * h),
+                           _mm256_or_si256(bits[j], _mm256_slli_epi32(bits[j + 1], 16)));
+    }
+  }
+}
+
 // Columns [k0, k0 + 64) of W [N, K] (packed panels) as 4 bf16 panels of W^T in BF16's packed layout
 // (16 output channels x pairs of reduction values per 64-byte row), reduction padded to Nr (a
 // multiple of 64) with zeros. Tile by tile of 16 x 16: BF16's packed rows are read in place, other
 // methods' weights are decoded to bf16 rows first (one rounding of scale * value).
 template <Method M>
 void decode_transposed(const uint8_t* panels, int group, int64_t N, int64_t K, int64_t k0, int64_t Nr,
-                       bool avx512, uint16_t* wt) {
-  const TransposeTileFn transpose = avx512 ? transpose_tile_avx512 : transpose_tile_scalar;
+                       Isa isa, uint16_t* wt) {
+  const TransposeTileFn transpose = isa >= Isa::kAvx512 ? transpose_tile_avx512
+                                    : isa >= Isa::kAvx2 ? transpose_tile_avx2
+                                                        : transpose_tile_scalar;
   const int64_t pbytes = panel_bytes(M, group, K), gbytes = group_bytes(M, group);
   const int64_t panel_t = Nr * kPanelWidth;  // bf16 values per panel of W^T
   alignas(64) uint16_t stage[8 * 32];
@@ -252,7 +319,9 @@ void decode_transposed(const uint8_t* panels, int group, int64_t N, int64_t K, i
       if constexpr (M == Method::kBf16) {
         src = reinterpret_cast<const uint16_t*>(g) + (kin / 2) * 32;
       } else if constexpr (kernels::kIntegerMethod<M>) {
-        (avx512 ? decode_tile_avx512<M> : decode_tile_scalar<M>)(g, group, kin, stage);
+        (isa >= Isa::kAvx512 ? decode_tile_avx512<M>
+         : isa >= Isa::kAvx2 ? decode_tile_avx2<M>
+                             : decode_tile_scalar<M>)(g, group, kin, stage);
       } else {
         decode_tile_scalar<M>(g, group, kin, stage);
       }
@@ -263,7 +332,7 @@ void decode_transposed(const uint8_t* panels, int group, int64_t N, int64_t K, i
     std::fill(wt + j * panel_t + N * kPanelWidth, wt + (j + 1) * panel_t, uint16_t{0});
 }
 
-using DecodeTransposedFn = void (*)(const uint8_t*, int, int64_t, int64_t, int64_t, int64_t, bool, uint16_t*);
+using DecodeTransposedFn = void (*)(const uint8_t*, int, int64_t, int64_t, int64_t, int64_t, Isa, uint16_t*);
 
 template <int... Ms>
 constexpr auto make_decoders(std::integer_sequence<int, Ms...>) {
@@ -281,7 +350,7 @@ void gemm_transposed(const KernelTable& table, Method method, int group, const u
   auto& sc = *thread_scratch<Decoded>();
   const int64_t Nr = round_up(N, kKAlign);
   grow(sc.wt, static_cast<size_t>(Nr * kColBlock));
-  kDecoders[static_cast<int>(method)](panels, group, N, K, k0, Nr, table.isa >= Isa::kAvx512, sc.wt.data());
+  kDecoders[static_cast<int>(method)](panels, group, N, K, k0, Nr, table.isa, sc.wt.data());
   const Bf16Rows a{rows, kChunkBytes};
   table.method(Method::kBf16)
       .gemm_a16(m, Nr, kKAlign, a, reinterpret_cast<const uint8_t*>(sc.wt.data()),
