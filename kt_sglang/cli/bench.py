@@ -125,16 +125,32 @@ def read_bandwidth_gbs(threads: int, gib: float = 2.0, repeats: int = 5) -> floa
     return _native.measure_read_bandwidth(int(gib * 2**30), cpus, repeats)
 
 
+def torch_dtype() -> torch.dtype:
+    """The dtype of torch's side of the benchmark (its matmul rate and the per-expert loop): bf16
+    where the CPU has bf16 arithmetic (AVX512-BF16, AMX), float32 elsewhere, where torch emulates
+    bf16 products tens of times slower than its float32 ones."""
+    from kt_sglang.engine.native import _native
+
+    f = _native.cpu_features()
+    native_bf16 = (f["avx512_bf16"] and f["os_avx512"]) or (f["amx_bf16"] and f["os_amx"])
+    return torch.bfloat16 if native_bf16 else torch.float32
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return {torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
+
+
 def matmul_tflops(threads: int, n: int = 2048, repeats: int = 5) -> float:
-    """torch (oneDNN) bf16 matmul rate: the machine's matrix-unit speed at the time of the run.
+    """torch (oneDNN) matmul rate in `torch_dtype()`: the machine's matrix-unit speed at the time of
+    the run.
 
     On shared hosts the AMX rate of a vCPU varies ~3x over minutes (measured here: 0.35 to 1.0
     TFLOPS per core for this very call), so prefill figures are only comparable through it.
     """
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
-    a = torch.randn(n, n).bfloat16()
-    b = torch.randn(n, n).bfloat16()
+    a = torch.randn(n, n).to(torch_dtype())
+    b = torch.randn(n, n).to(torch_dtype())
     a @ b
     times = []
     for _ in range(repeats):
@@ -307,7 +323,7 @@ def _torch_moe(x, ids, weights, *, gate, up, down):
     out = torch.zeros(x.shape, dtype=torch.float32)
     for e in ids.unique().tolist():
         tok, slot = (ids == e).nonzero(as_tuple=True)
-        xe = x[tok]
+        xe = x[tok].to(gate.dtype)
         h = torch.nn.functional.silu(xe @ gate[e].T) * (xe @ up[e].T)
         out.index_add_(0, tok, ((h @ down[e].T) * weights[tok, slot, None].to(h.dtype)).float())
     return out
@@ -322,6 +338,7 @@ def run_benchmark(cfg: BenchConfig) -> dict:
             "isa": _native.selected_isa(),
             "python": platform.python_version(),
             "torch": torch.__version__,
+            "torch_dtype": dtype_name(torch_dtype()),
         },
         "config": asdict(cfg),
         "bandwidth_gbs": {},
@@ -430,23 +447,25 @@ def _bench_method(
 
 
 def _bench_baseline(layer, threads, gate, up, down, cfg: BenchConfig, gen):
-    """Plain torch bf16 per-expert loop on `threads` intra-op threads, same shapes: its row, and
-    one forward on the first weight copy for the methods' interleaved prefill ratios."""
+    """Plain torch per-expert loop (in `torch_dtype()`) on `threads` intra-op threads, same shapes:
+    its row, and one forward on the first weight copy for the methods' interleaved prefill ratios."""
     H, I, E, k = LAYERS[layer]
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
-    copies = max(1, -(-int(cfg.working_set_gib * 2**30) // (gate.numel() * 2 * 3)))
+    dtype = torch_dtype()
+    gate, up, down = (w.to(dtype) for w in (gate, up, down))
+    copies = max(1, -(-int(cfg.working_set_gib * 2**30) // (gate.numel() * gate.element_size() * 3)))
     weights = [(gate, up, down)] + [(gate.clone(), up.clone(), down.clone()) for _ in range(copies - 1)]
     row = {
         "layer": layer,
-        "method": "torch-bf16-baseline",
+        "method": f"torch-{dtype_name(dtype)}-baseline",
         "threads": threads,
         "copies": copies,
         "decode": {},
         "prefill": {},
     }
     forwards = [functools.partial(_torch_moe, gate=g, up=u, down=d) for g, u, d in weights]
-    _measure_points(row, forwards, 3 * H * I * 2, layer, threads, cfg, gen)
+    _measure_points(row, forwards, 3 * H * I * gate.element_size(), layer, threads, cfg, gen)
     torch.set_num_threads(old)
 
     def baseline(*args):
@@ -464,7 +483,8 @@ def print_table(results: dict) -> None:
     for threads, bw in results["bandwidth_gbs"].items():
         mm = results["matmul_tflops"][threads]
         print(
-            f"{threads} thread(s): read bandwidth {bw:.1f} GB/s, torch bf16 matmul "
+            f"{threads} thread(s): read bandwidth {bw:.1f} GB/s, torch "
+            f"{results['machine'].get('torch_dtype', 'bf16')} matmul "
             f"{min(mm):.2f}-{max(mm):.2f} TFLOPS during the run"
         )
     header = (
