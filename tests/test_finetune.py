@@ -25,10 +25,43 @@ def tiny_model(seed: int = 0) -> Qwen3MoeForCausalLM:
         num_experts_per_tok=K, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
         max_position_embeddings=64, norm_topk_prob=True,
     )  # fmt: skip
-    model = Qwen3MoeForCausalLM(config).float().eval()
+    return _bf16_experts(Qwen3MoeForCausalLM(config))
+
+
+def tiny_mixtral(seed: int = 0):
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(seed)
+    config = MixtralConfig(
+        vocab_size=96, hidden_size=H, intermediate_size=I, num_local_experts=E, num_experts_per_tok=K,
+        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+        max_position_embeddings=64,
+    )  # fmt: skip
+    return _bf16_experts(MixtralForCausalLM(config))
+
+
+def tiny_deepseek_v3(seed: int = 0):
+    """A dense first layer, then a MoE layer with a shared expert (which stays in torch)."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(seed)
+    config = DeepseekV3Config(
+        vocab_size=96, hidden_size=H, intermediate_size=96, moe_intermediate_size=I, n_routed_experts=E,
+        num_experts_per_tok=K, n_shared_experts=1, first_k_dense_replace=1, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
+        qk_nope_head_dim=16, v_head_dim=16, n_group=1, topk_group=1, max_position_embeddings=64,
+    )  # fmt: skip
+    return _bf16_experts(DeepseekV3ForCausalLM(config))
+
+
+def _bf16_experts(model):
+    model = model.float().eval()
     with torch.no_grad():  # the engine's BF16 method holds bf16 weights: give the twin the same values
         for layer in model.model.layers:
-            for p in (layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj):
+            experts = getattr(layer.mlp, "experts", None)
+            if experts is None:
+                continue  # a dense layer
+            for p in (experts.gate_up_proj, experts.down_proj):
                 p.copy_(p.bfloat16().float() * 4)  # larger experts: their share of the output is visible
     return model
 
@@ -40,6 +73,7 @@ class TorchLoRAExperts(torch.nn.Module):
         super().__init__()
         self.gate_up = experts.gate_up_proj.detach().clone()
         self.down = experts.down_proj.detach().clone()
+        self.inter = self.down.shape[2]
         names = ("gate_lora_a", "gate_lora_b", "up_lora_a", "up_lora_b", "down_lora_a", "down_lora_b")
         for name, t in zip(names, adapters, strict=True):
             self.register_parameter(name, torch.nn.Parameter(t.detach().clone().float()))
@@ -47,7 +81,7 @@ class TorchLoRAExperts(torch.nn.Module):
 
     def forward(self, hidden, ids, weights):
         out = torch.zeros_like(hidden)
-        s = self.scale
+        s, I = self.scale, self.inter
         for e in ids.unique().tolist():
             tok, slot = (ids == e).nonzero(as_tuple=True)
             x = hidden[tok]
@@ -59,8 +93,8 @@ class TorchLoRAExperts(torch.nn.Module):
         return out
 
 
-def engine_and_twin(train_router: bool = False):
-    model = tiny_model()
+def engine_and_twin(train_router: bool = False, make=tiny_model):
+    model = make()
     twin = copy.deepcopy(model)
     modules = attach_lora_experts(model, rank=4, alpha=8.0, seed=1, train_router=train_router)
     gen = torch.Generator().manual_seed(2)
@@ -106,6 +140,23 @@ def test_forward_and_backward_inside_transformers():
     # Nothing else trains.
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert all("lora" in n or n.endswith("mlp.gate.weight") for n in trainable)
+
+
+@pytest.mark.parametrize("make", [tiny_mixtral, tiny_deepseek_v3], ids=["mixtral", "deepseek_v3"])
+def test_other_families_train_like_their_float32_twin(make):
+    """Mixtral's and DeepSeek-V3's MoE blocks (a dense first layer, a shared expert in torch) call the
+    engine's experts as Qwen3-MoE's do: the loss and every adapter's gradient follow the twin."""
+    model, modules, twin, twins = engine_and_twin(make=make)
+    assert list(modules) == [n for n, _ in twin.named_modules() if n.endswith("mlp.experts")]
+    ids = batch()
+    loss = model(input_ids=ids, labels=ids).loss
+    ref = twin(input_ids=ids, labels=ids).loss
+    assert abs(loss.item() - ref.item()) < 1e-2 * ref.item()
+    loss.backward()
+    ref.backward()
+    for m, r in zip(modules.values(), twins, strict=True):
+        for p, q in zip(m.adapters, r.parameters(), strict=True):
+            assert relative_error(p.grad, q.grad) < 2e-2
 
 
 def test_adamw_steps_match_the_float32_twin():
