@@ -1,7 +1,7 @@
 """Fine-tuning mode benchmark: one MoE layer's forward + backward with LoRA on the CPU experts.
 
     python bench/bench_sft.py                                  # Qwen3-30B-A3B layer, 512 tokens, rank 16
-    python bench/bench_sft.py --methods BF16 AMXINT8 --tokens 128 512
+    python bench/bench_sft.py --methods BF16 AMXINT8 --tokens 128 512 --torch-dtypes fp32
 
 Per method, medians over repeats, all in one process on the same threads:
 - ``inference_forward_s``: the inference layer's forward (the method's own kernels);
@@ -128,7 +128,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--no-torch", action="store_true", help="skip the plain torch baseline")
+    p.add_argument(
+        "--torch-dtypes",
+        nargs="*",
+        choices=["bf16", "fp32"],
+        default=["bf16", "fp32"],
+        help="the plain torch step's dtypes (none: no baseline; bf16 takes minutes without bf16 hardware)",
+    )
     p.add_argument("--out", type=Path, default=None, help="JSON file (default bench/results/sft-<time>.json)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -140,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         for shape in ((E, I, H), (E, I, H), (E, H, I))
     )
     rows = []
-    torch_dtypes = {} if args.no_torch else {"bf16": torch.bfloat16, "fp32": torch.float32}
+    torch_dtypes = {name: {"bf16": torch.bfloat16, "fp32": torch.float32}[name] for name in args.torch_dtypes}
     for T in args.tokens:
         torch_s = {
             name: bench_torch(dtype, layer, T, args.rank, args.repeats, dense)
