@@ -6,7 +6,7 @@ It installs hooks through SGLang's `HookRegistry` (no fork, no edits to SGLang's
 - AROUND `server_args.prepare_server_args`: take our flags out of argv, resolve and validate all
   `--kt-*` settings, hand them to the workers;
 - AROUND `FusedMoE._weight_loader_impl`: hot experts load into their GPU slots, cold ones not
-  at all;
+  at all; AROUND `FusedMoE.weight_loader`: the same for a tensor of all experts (gpt-oss's MXFP4);
 - AFTER `ModelRunner.load_model`: attach and link the model's MoE layers (deferral chain), check
   that our wrapper is the one SGLang built, log one line;
 - the decode CUDA-graph runner's batch sizes reach our pinned buffers;
@@ -50,6 +50,11 @@ def register() -> None:
     HookRegistry.register(
         "sglang.srt.layers.moe.fused_moe_triton.layer.FusedMoE._weight_loader_impl",
         hooks.weight_loader_impl,
+        HookType.AROUND,
+    )
+    HookRegistry.register(
+        "sglang.srt.layers.moe.fused_moe_triton.layer.FusedMoE.weight_loader",
+        hooks.weight_loader,
         HookType.AROUND,
     )
     HookRegistry.register(

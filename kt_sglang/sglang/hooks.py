@@ -117,6 +117,22 @@ def weight_loader_impl(original, layer, *args, **kwargs):
     return original(layer, **bound)
 
 
+def weight_loader(original, layer, *args, **kwargs):
+    """All experts in one tensor (expert_id None: SGLang's MXFP4 loader for gpt-oss) -> the hot
+    experts' rows in slot order for our layers; nothing to load when every expert is cold."""
+    from kt_sglang.sglang.method import KTEPWrapperMethod
+
+    method = layer.quant_method
+    names = ("param", "loaded_weight", "weight_name", "shard_id", "expert_id")
+    bound = dict(zip(names, args, strict=False)) | kwargs
+    if not isinstance(method, KTEPWrapperMethod) or bound.get("expert_id") is not None:
+        return original(layer, *args, **kwargs)
+    if method.num_hot == 0:
+        return None
+    bound["loaded_weight"] = method.hot_rows(bound["loaded_weight"])
+    return original(layer, **bound)
+
+
 def after_load_model(result, model_runner, *args, **kwargs):
     """Attaches and links the MoE layers of the model just loaded; fails loudly if SGLang built
     upstream's wrapper (or none) while CPU experts were asked for."""

@@ -164,14 +164,20 @@ class KTEPWrapperMethod(FusedMoEMethodBase):
         self.gpu_slot_of = slot_map(self.hot_experts, num_experts)
         self.num_hot = len(self.hot_experts)
         self.gpu_method.num_gpu_experts = self.num_hot
-        self.gpu_method.create_weights(
-            layer=layer,
-            num_experts=self.num_hot,
-            hidden_size=hidden_size,
-            intermediate_size_per_partition=intermediate_size_per_partition,
-            params_dtype=params_dtype,
-            **extra_weight_attrs,
-        )
+        # Some GPU methods (SGLang's MXFP4 one, gpt-oss) size their weights by the layer's
+        # num_local_experts, not by num_experts: they too hold the hot experts only.
+        num_local_experts, layer.num_local_experts = layer.num_local_experts, self.num_hot
+        try:
+            self.gpu_method.create_weights(
+                layer=layer,
+                num_experts=self.num_hot,
+                hidden_size=hidden_size,
+                intermediate_size_per_partition=intermediate_size_per_partition,
+                params_dtype=params_dtype,
+                **extra_weight_attrs,
+            )
+        finally:
+            layer.num_local_experts = num_local_experts
         if self.tp_rank == 0:
             s = self.settings
             self.wrapper = KTMoEWrapper(
@@ -200,6 +206,16 @@ class KTEPWrapperMethod(FusedMoEMethodBase):
         """The loader's checkpoint expert id -> its GPU slot, -1 when the expert is cold."""
         return int(self.gpu_slot_of[expert_id]) if 0 <= expert_id < self.global_num_experts else -1
 
+    def hot_rows(self, loaded: torch.Tensor) -> torch.Tensor:
+        """A tensor of all the layer's experts (SGLang's MXFP4 loader hands gpt-oss's that way) ->
+        the hot experts' rows, in slot order."""
+        if loaded.shape[0] != self.global_num_experts:
+            raise ValueError(
+                f"MoE layer {self.layer_idx}: a tensor of all experts has {loaded.shape[0]} rows, the "
+                f"layer {self.global_num_experts} experts (expert parallelism is not supported)"
+            )
+        return loaded[torch.tensor(self.hot_experts, dtype=torch.long, device=loaded.device)]
+
     def merge_hot_adapter(self, layer: torch.nn.Module) -> None:
         """Adds the expert adapter's scale * B A to the hot experts' weights as SGLang loaded them
         (w13 [hot, 2I, H]: gate rows, then up rows; w2 [hot, H, I])."""
@@ -227,7 +243,9 @@ class KTEPWrapperMethod(FusedMoEMethodBase):
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         if self.settings.expert_lora_path and self.num_hot:
             self.merge_hot_adapter(layer)
-        if hasattr(self.gpu_method, "process_weights_after_loading"):
+        # With no hot experts the GPU method has nothing to process (SGLang's MXFP4 one would run a
+        # Triton kernel on its empty weights).
+        if self.num_hot and hasattr(self.gpu_method, "process_weights_after_loading"):
             self.gpu_method.process_weights_after_loading(layer)
         if self.wrapper is None:
             return
