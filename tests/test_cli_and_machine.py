@@ -226,6 +226,10 @@ def test_demo_interrupted_leaves_no_process(tmp_path, marker, sig):
         stderr=subprocess.STDOUT,
         text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        # A test run started in the background (nohup, `&` in a script) hands SIGINT down ignored,
+        # and Python then installs no KeyboardInterrupt handler: give the demo the default, as a
+        # terminal would.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     seen = []
     for line in proc.stdout:

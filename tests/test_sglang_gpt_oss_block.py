@@ -8,9 +8,10 @@ transformers' float32 `GptOssMLP` on the weights as transformers' own MXFP4 read
 
 Hot experts are checked as far as loading: their MXFP4 blocks, scales and biases land in the GPU slots
 of the placement. Their forward cannot be compared here: on the CPU device the hybrid layer computes
-hot experts with its masked torch path (float [gate; up] weights, plain SiLU, no biases), not with
-SGLang's MXFP4 method, whose CPU path needs AMX and sgl_kernel's CPU build (without them it
-dequantizes after loading and computes through Triton: a GPU, or Triton's interpreter).
+hot experts with its masked torch path (float [gate; up] weights, plain SiLU, no biases), so the
+plugin refuses them there, naming why; it does not use SGLang's MXFP4 method, whose CPU path needs
+AMX and sgl_kernel's CPU build (without them it dequantizes after loading and computes through
+Triton: a GPU, or Triton's interpreter).
 
 The bound 0.02 sits between the measured error (0.004) and the errors of a plain SiLU instead of
 gpt-oss's clamped SwiGLU (0.36), no clamp (0.28), gate and up as halves instead of interleaved rows
@@ -73,3 +74,6 @@ def test_gpt_oss_block_hot_experts_load_into_their_slots(tmp_path):
     assert result["hot_experts"] != [0, 1, 2]  # slots differ from ids: the mapping is exercised
     assert result["gpu_slots"] == dict.fromkeys(GPU_PARAMS, 3)
     assert result["slots_match"], "a hot expert's MXFP4 weights are not in its GPU slot"
+    # The CPU device's torch path for hot experts cannot compute them: refused, naming why.
+    assert "hot experts on the CPU device run a plain SiLU MoE" in result["attach_error"]
+    assert "swiglu_oai" in result["attach_error"] and "biases" in result["attach_error"]

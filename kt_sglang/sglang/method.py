@@ -262,7 +262,27 @@ class KTEPWrapperMethod(FusedMoEMethodBase):
     def attach(self, layer: torch.nn.Module, chain: DeferralChain) -> None:
         """Builds the forward once the weights are final; the model's layers are then linked."""
         if self.wrapper is not None:
+            self._check_hot_on_cpu(layer)
             self.hybrid = _SGLangHybridLayer(self, layer, chain)
+
+    def _check_hot_on_cpu(self, layer: torch.nn.Module) -> None:
+        """On the CPU device the hot experts run the hybrid layer's torch path (plain SiLU, gate and
+        up as halves, float weights, no biases), not SGLang's method: refuse what it cannot compute."""
+        w13 = getattr(layer, "w13_weight", None)
+        if not self.num_hot or w13 is None or w13.is_cuda:
+            return
+        reasons = []
+        if self.wrapper.activation != SILU:
+            reasons.append(f"the activation is {self.wrapper.activation}")
+        if not w13.dtype.is_floating_point or w13.dtype.itemsize < 2:
+            reasons.append(f"the GPU experts are quantized ({w13.dtype})")
+        if any(getattr(layer, name, None) is not None for name in ("w13_weight_bias", "w2_weight_bias")):
+            reasons.append("the experts have biases")
+        if reasons:
+            raise ValueError(
+                f"MoE layer {self.layer_idx}: hot experts on the CPU device run a plain SiLU MoE in torch, "
+                f"but {' and '.join(reasons)}: use --kt-num-gpu-experts 0 with --device cpu"
+            )
 
     # -- runner ----------------------------------------------------------------------------
 
