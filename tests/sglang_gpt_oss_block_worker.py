@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from sglang_moe_block_worker import start_sglang
+from sglang_moe_block_worker import load_plugin, start_sglang
 
 PREFIX = "model.layers.0.mlp."
 E, K, H, I = 16, 4, 256, 192
@@ -164,27 +164,9 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=29655)
     args = parser.parse_args()
 
-    from kt_sglang.sglang.settings import KtSettings
-
     model_dir = args.workdir / "gpt-oss-block"
     tensors = write_checkpoint(model_dir)
-    KtSettings(  # what the launcher hands its workers
-        weight_path=str(model_dir),
-        method="MXFP4",
-        cpuinfer=1,
-        threadpool_count=1,
-        num_gpu_experts=args.hot,
-        gpu_experts_ratio=None,
-        max_deferred_experts_per_token=0,
-        numa_nodes=None,
-        placement_strategy=args.placement,
-        placement_stats=None,
-        record_placement_stats=None,
-    ).to_env()
-
-    from sglang.srt.plugins import load_plugins
-
-    load_plugins()  # as every SGLang process does: our register() runs through the entry point
+    load_plugin(model_dir, "MXFP4", args.hot, args.placement)
 
     # SGLang registers its MXFP4 config where is_cuda() or is_cpu() (SGLANG_USE_CPU_ENGINE=1, which
     # needs sgl_kernel's CPU build); --device cpu on a host without either lacks the entry, and

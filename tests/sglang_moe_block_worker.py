@@ -102,6 +102,29 @@ def reference_block(tensors: dict[str, torch.Tensor], **overrides) -> torch.nn.M
     return block
 
 
+def load_plugin(model_dir: Path, method: str, hot: int, placement: str) -> None:
+    """The plugin as a launched worker has it: the launcher's settings in the environment, then
+    SGLang's plugin loading (our register() runs through the entry point)."""
+    from sglang.srt.plugins import load_plugins
+
+    from kt_sglang.sglang.settings import KtSettings
+
+    KtSettings(
+        weight_path=str(model_dir),
+        method=method,
+        cpuinfer=1,
+        threadpool_count=1,
+        num_gpu_experts=hot,
+        gpu_experts_ratio=None,
+        max_deferred_experts_per_token=0,
+        numa_nodes=None,
+        placement_strategy=placement,
+        placement_stats=None,
+        record_placement_stats=None,
+    ).to_env()
+    load_plugins()
+
+
 def start_sglang(model_dir: Path, method: str, hot: int, port: int) -> None:
     """SGLang's process context for one tp=1 CPU worker, as the launcher would publish it."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -165,27 +188,9 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=29655)
     args = parser.parse_args()
 
-    from kt_sglang.sglang.settings import KtSettings
-
     model_dir = args.workdir / "deepseek-v3-block"
     tensors = write_checkpoint(model_dir)
-    KtSettings(  # what the launcher hands its workers
-        weight_path=str(model_dir),
-        method=args.method,
-        cpuinfer=1,
-        threadpool_count=1,
-        num_gpu_experts=args.hot,
-        gpu_experts_ratio=None,
-        max_deferred_experts_per_token=0,
-        numa_nodes=None,
-        placement_strategy=args.placement,
-        placement_stats=None,
-        record_placement_stats=None,
-    ).to_env()
-
-    from sglang.srt.plugins import load_plugins
-
-    load_plugins()  # as every SGLang process does: our register() runs through the entry point
+    load_plugin(model_dir, args.method, args.hot, args.placement)
     start_sglang(model_dir, args.method, args.hot, args.port)
 
     from sglang.srt.models.deepseek_v2 import DeepseekV2MoE
