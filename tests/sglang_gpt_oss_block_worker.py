@@ -204,6 +204,13 @@ def main() -> None:
             method.attach(fused, DeferralChain())
         except ValueError as exc:  # the plugin refuses them rather than compute another function
             result["attach_error"] = str(exc)
+        # SGLang's triton_kernels MXFP4 post-load replaces w13_weight / w2_weight (on CUDA): the
+        # hybrid layer must still build there; on the CPU device it is refused, naming why.
+        del fused.w13_weight, fused.w2_weight
+        try:
+            method.attach(fused, DeferralChain())
+        except ValueError as exc:
+            result["attach_error_without_weights"] = str(exc)
         print(json.dumps(result), flush=True)
         return
 

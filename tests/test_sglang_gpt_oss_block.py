@@ -77,3 +77,4 @@ def test_gpt_oss_block_hot_experts_load_into_their_slots(tmp_path):
     # The CPU device's torch path for hot experts cannot compute them: refused, naming why.
     assert "hot experts on the CPU device run a plain SiLU MoE" in result["attach_error"]
     assert "swiglu_oai" in result["attach_error"] and "biases" in result["attach_error"]
+    assert "keeps them in a layout of its own" in result["attach_error_without_weights"]

@@ -96,14 +96,12 @@ class _SGLangHybridLayer(HybridMoELayer):
     """The hybrid layer whose hot experts run through SGLang's wrapped GPU method."""
 
     def __init__(self, method: KTEPWrapperMethod, fused_moe: torch.nn.Module, chain: DeferralChain) -> None:
-        super().__init__(
-            method.wrapper,
-            method.gpu_slot_of,
-            fused_moe.w13_weight if method.num_hot else torch.zeros(0),
-            fused_moe.w2_weight if method.num_hot else torch.zeros(0),
-            chain,
-            method.max_deferred,
-        )
+        w13, w2 = getattr(fused_moe, "w13_weight", None), getattr(fused_moe, "w2_weight", None)
+        if not method.num_hot or w13 is None or w2 is None:
+            # None hot, or (on CUDA) the GPU method keeps them in a layout of its own (SGLang's
+            # triton_kernels MXFP4 replaces both after loading): its apply() reads them, not ours.
+            w13 = w2 = torch.zeros(method.num_hot, 0, 0)
+        super().__init__(method.wrapper, method.gpu_slot_of, w13, w2, chain, method.max_deferred)
         self.method = method
         self.fused_moe = fused_moe
         self.dispatch_output = None  # set per call by the method
@@ -269,12 +267,20 @@ class KTEPWrapperMethod(FusedMoEMethodBase):
         """On the CPU device the hot experts run the hybrid layer's torch path (plain SiLU, gate and
         up as halves, float weights, no biases), not SGLang's method: refuse what it cannot compute."""
         w13 = getattr(layer, "w13_weight", None)
-        if not self.num_hot or w13 is None or w13.is_cuda:
+        if (
+            not self.num_hot
+            or (w13 is not None and w13.is_cuda)
+            or (w13 is None and torch.cuda.is_available())
+        ):
             return
         reasons = []
+        if w13 is None:
+            reasons.append(
+                f"the GPU method ({type(self.gpu_method).__name__}) keeps them in a layout of its own"
+            )
         if self.wrapper.activation != SILU:
             reasons.append(f"the activation is {self.wrapper.activation}")
-        if not w13.dtype.is_floating_point or w13.dtype.itemsize < 2:
+        elif not w13.dtype.is_floating_point or w13.dtype.itemsize < 2:
             reasons.append(f"the GPU experts are quantized ({w13.dtype})")
         if any(getattr(layer, name, None) is not None for name in ("w13_weight_bias", "w2_weight_bias")):
             reasons.append("the experts have biases")
