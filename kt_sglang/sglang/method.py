@@ -278,10 +278,10 @@ class KTEPWrapperMethod(FusedMoEMethodBase):
             reasons.append(
                 f"the GPU method ({type(self.gpu_method).__name__}) keeps them in a layout of its own"
             )
-        if self.wrapper.activation != SILU:
-            reasons.append(f"the activation is {self.wrapper.activation}")
         elif not w13.dtype.is_floating_point or w13.dtype.itemsize < 2:
             reasons.append(f"the GPU experts are quantized ({w13.dtype})")
+        if self.wrapper.activation != SILU:
+            reasons.append(f"the activation is {self.wrapper.activation}")
         if any(getattr(layer, name, None) is not None for name in ("w13_weight_bias", "w2_weight_bias")):
             reasons.append("the experts have biases")
         if reasons:
