@@ -1,44 +1,27 @@
-// AVX-512 BF16: vdpbf16ps on the VNNI-paired panel rows. Decode: up to 4 rows of A per pass;
-// prefill: tiles of rows x panels (row_blocks-inl.h).
+// AVX-512 BF16: vdpbf16ps on the VNNI-paired panel rows. Decode: up to 4 rows of A per pass (the
+// bf16 products skeleton, bf16_products-inl.h); prefill: tiles of rows x panels.
 #include <immintrin.h>
 
 #include <algorithm>
 
 #include "../../kernels/activations.h"
-#include "../../kernels/avx512/row_blocks-inl.h"
+#include "../../kernels/avx512/bf16_products-inl.h"
 #include "kt/quant_types.h"
 
 namespace kt::kernels::avx512 {
 
 namespace {
 
-// kChains accumulators per row hide vdpbf16ps latency (one chain bounds a decode pass per core).
-template <int kRows>
-void gemm_bf16_rows(int64_t K, const Bf16Rows& a, int i0, const uint8_t* w, float* const* out) {
-  constexpr int kChains = kRows == 1 ? 4 : 2;
-  __m512 acc[kRows][kChains];
-  for (int i = 0; i < kRows; ++i)
-    for (int u = 0; u < kChains; ++u) acc[i][u] = _mm512_setzero_ps();
-  const int64_t ahead = weight_prefetch_bytes();
-  for (int64_t k = 0; k < K; k += 32) {  // one 64-byte chunk of each row: 16 K-pairs
-    const int32_t* x[kRows];
-    for (int i = 0; i < kRows; ++i) x[i] = reinterpret_cast<const int32_t*>(bf16_at(a, i0 + i, k));
-    const uint8_t* wk = w + k * 64 / 2;
-    for (int off = 0; ahead > 0 && off < 1024; off += 64)  // every line of the chunk, `ahead` bytes on
-      _mm_prefetch(reinterpret_cast<const char*>(wk + ahead + off), _MM_HINT_T0);
-    for (int j = 0; j < 16; j += kChains)
-      for (int u = 0; u < kChains; ++u) {
-        const __m512bh wv = (__m512bh)_mm512_loadu_si512(wk + (j + u) * 64);
-        for (int i = 0; i < kRows; ++i)
-          acc[i][u] = _mm512_dpbf16_ps(acc[i][u], (__m512bh)_mm512_set1_epi32(x[i][j + u]), wv);
-      }
+// BF16's packed rows are bf16 already: loaded as they are.
+struct Bf16Weights {
+  static constexpr int kGroup = 0;
+  static constexpr int64_t group_bytes(int64_t K) { return K * kPanelWidth * 2; }
+  void rows(const uint8_t* w, int64_t k, int j, __m512bh& r0, __m512bh& r1) const {
+    const uint8_t* row = w + k * 32 + j * 64;
+    r0 = (__m512bh)_mm512_loadu_si512(row);
+    r1 = (__m512bh)_mm512_loadu_si512(row + 64);
   }
-  for (int i = 0; i < kRows; ++i) {
-    __m512 sum = acc[i][0];
-    for (int u = 1; u < kChains; ++u) sum = _mm512_add_ps(sum, acc[i][u]);
-    _mm512_storeu_ps(out[i], sum);
-  }
-}
+};
 
 // A prefill tile of kRows x kPanels fp32 sums in registers over all of K; never inlined, like
 // gemm_quant_tile, so that its code does not depend on the dispatcher around it.
@@ -84,10 +67,7 @@ void gemm_bf16(int m, int64_t K, int, const Bf16Rows& a, const uint8_t* panels, 
     });
     return;
   }
-  for_each_row_block(m, panels, npanels, stride, c, ldc,
-                     [&](auto rows, int i0, const uint8_t* panel, float* const* out) {
-                       gemm_bf16_rows<decltype(rows)::value>(K, a, i0, panel, out);
-                     });
+  gemm_bf16_products_passes(Bf16Weights{}, m, K, a, panels, npanels, stride, c, ldc);
 }
 
 }  // namespace kt::kernels::avx512

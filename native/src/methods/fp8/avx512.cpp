@@ -1,8 +1,8 @@
 // AVX-512 BF16 + VBMI FP8 GEMM: every 64 packed bytes (two rows of 16 channels x 2 K-values) are
 // decoded to two rows of 32 bf16 in registers and multiplied by vdpbf16ps, as the BF16 kernel does
-// with its stored rows. Up to 16 rows of A: passes of one panel, decoding in the pass. More: a
-// tile's panels are decoded once per K-chunk into a bf16 buffer that every row tile then reads
-// (../../kernels/avx512/decoded_tiles-inl.h).
+// with its stored rows. Up to 16 rows of A: passes of one panel, decoding in the pass (the bf16
+// products skeleton, ../../kernels/avx512/bf16_products-inl.h). More: a tile's panels are decoded
+// once per K-chunk into a bf16 buffer that every row tile then reads (decoded_tiles-inl.h).
 // VBMI (vpermi2b) is asked for here only: the registry gives this kernel to CPUs that have it.
 #pragma GCC target("avx512vbmi")
 #include <immintrin.h>
@@ -11,8 +11,8 @@
 #include <stdexcept>
 
 #include "../../kernels/activations.h"
+#include "../../kernels/avx512/bf16_products-inl.h"
 #include "../../kernels/avx512/decoded_tiles-inl.h"
-#include "../../kernels/avx512/row_blocks-inl.h"
 #include "../../kernels/tiles.h"
 #include "fp8.h"
 
@@ -54,45 +54,16 @@ inline __m512 group_scale(const uint8_t* group) {
   return _mm512_loadu_ps(reinterpret_cast<const float*>(group + kWeightBytes));
 }
 
-// kRows rows of one panel per pass (decode), the group's sums in kChains chains per row.
-template <int kRows>
-void gemm_fp8_rows(int64_t K, const Bf16Rows& a, int i0, const uint8_t* panel, float* const* out) {
-  constexpr int kChains = kRows == 1 ? 4 : 2;  // even: the rows come in pairs
-  static const DecodeTables tables;
-  const DecodeTables t = tables;
-  const int64_t ahead = weight_prefetch_bytes();
-  __m512 total[kRows];
-  for (int i = 0; i < kRows; ++i) total[i] = _mm512_setzero_ps();
-  for (int64_t gi = 0; gi < K / kGroup; ++gi) {
-    const uint8_t* w = panel + gi * kGroupBytes;
-    for (int64_t off = 0; ahead > 0 && off < kGroupBytes; off += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(w) + ahead + off, _MM_HINT_T0);
-    __m512 acc[kRows][kChains];
-    for (int i = 0; i < kRows; ++i)
-      for (int u = 0; u < kChains; ++u) acc[i][u] = _mm512_setzero_ps();
-    for (int k = 0; k < kGroup; k += 32) {  // one 64-byte chunk of each row: 16 K-pairs
-      const int32_t* x[kRows];
-      for (int i = 0; i < kRows; ++i)
-        x[i] = reinterpret_cast<const int32_t*>(bf16_at(a, i0 + i, gi * kGroup + k));
-      for (int j = 0; j < 16; j += kChains)
-        for (int u = 0; u < kChains; u += 2) {
-          __m512bh wv[2];
-          decode_rows(t, w + (k / 2 + j + u) * 32, wv[0], wv[1]);
-          for (int v = 0; v < 2; ++v)
-            for (int i = 0; i < kRows; ++i)
-              acc[i][u + v] =
-                  _mm512_dpbf16_ps(acc[i][u + v], (__m512bh)_mm512_set1_epi32(x[i][j + u + v]), wv[v]);
-        }
-    }
-    const __m512 scale = group_scale(w);
-    for (int i = 0; i < kRows; ++i) {
-      __m512 sum = acc[i][0];
-      for (int u = 1; u < kChains; ++u) sum = _mm512_add_ps(sum, acc[i][u]);
-      total[i] = _mm512_fmadd_ps(sum, scale, total[i]);
-    }
+// FP8's packed rows decoded by the tables (held in registers by the skeleton's copy).
+struct Fp8Weights {
+  static constexpr int kGroup = fp8::kBlock;
+  static constexpr int64_t group_bytes(int64_t) { return kGroupBytes; }
+  DecodeTables tables;
+  void rows(const uint8_t* w, int64_t k, int j, __m512bh& r0, __m512bh& r1) const {
+    decode_rows(tables, w + (k / 2 + j) * 32, r0, r1);
   }
-  for (int i = 0; i < kRows; ++i) _mm512_storeu_ps(out[i], total[i]);
-}
+  __m512 scale(const uint8_t* w) const { return group_scale(w); }
+};
 
 // Up to 16 rows, passes of one panel (blocks of 4 rows and the rest, each decoding the panel again)
 // beat decoding once into the tiles' buffer: Zen 4, one call of 16 panels x 2048 in L2, passes
@@ -105,14 +76,9 @@ void gemm_fp8(int m, int64_t K, int group, const Bf16Rows& a, const uint8_t* pan
               int64_t ldc) {
   if (group != kGroup) throw std::invalid_argument("FP8 kernels take groups of 128");
   const int64_t stride = panel_bytes(Method::kFp8, kGroup, K);
-  if (m <= kMaxRowBlockRows) {
-    for_each_row_block(m, panels, npanels, stride, c, ldc,
-                       [&](auto rows, int i0, const uint8_t* panel, float* const* out) {
-                         gemm_fp8_rows<decltype(rows)::value>(K, a, i0, panel, out);
-                       });
-    return;
-  }
   static const DecodeTables tables;
+  if (m <= kMaxRowBlockRows)
+    return gemm_bf16_products_passes(Fp8Weights{tables}, m, K, a, panels, npanels, stride, c, ldc);
   const DecodeTables t = tables;
   const auto decode = [&](const uint8_t* panel, int64_t gi, uint16_t* d) {
     const uint8_t* w = panel + gi * kGroupBytes;
