@@ -167,73 +167,133 @@ def test_qwen3_moe_server_equals_standalone_stack(qwen, method, hot, deferred, t
     print(f"{method} hot={hot} deferred={deferred}: {same}/{len(hf_prompts)} continuations as float32 HF")
 
 
-def _rawint4_experts(model_dir: Path, out: Path) -> Path:
-    """The tiny model's experts as a checkpoint of their own in compressed-tensors pack-quantized INT4
-    (RAWINT4, Kimi-K2's format): round to nearest, symmetric, a bf16 scale per 32, packed 8 nibbles
-    to an int32 with value + 8 and the first K-value least significant."""
-    import json
-
-    import numpy as np
+def _expert_weights(model_dir: Path):
+    """The tiny model's expert matrices [N, K] (float32) by tensor name."""
     from safetensors import safe_open
-    from safetensors.torch import save_file
 
-    config = json.loads((model_dir / "config.json").read_text())
-    config["quantization_config"] = {
-        "quant_method": "compressed-tensors",
-        "format": "pack-quantized",
-        "config_groups": {
-            "group_0": {
-                "targets": ["Linear"],
-                "weights": {
-                    "num_bits": 4,
-                    "type": "int",
-                    "symmetric": True,
-                    "strategy": "group",
-                    "group_size": 32,
-                },
-            }
-        },
-        "ignore": ["lm_head", "re:.*self_attn.*", "re:.*mlp.gate$"],
-    }
-    tensors = {}
     for shard in sorted(model_dir.glob("*.safetensors")):
         with safe_open(str(shard), framework="pt") as f:
             for name in f.keys():
-                if ".experts." not in name or not name.endswith(".weight"):
-                    continue
-                w = f.get_tensor(name).float()
-                N, K = w.shape
-                groups = w.reshape(N, K // 32, 32)
-                scale = (groups.abs().amax(-1) / 7).clamp_min(1e-8).bfloat16()
-                q = (groups / scale.float()[..., None]).round().clamp(-8, 7).reshape(N, K).to(torch.int64) + 8
-                words = np.zeros((N, K // 8), dtype=np.uint32)
-                for i in range(8):
-                    words |= q[:, i::8].numpy().astype(np.uint32) << np.uint32(4 * i)
-                base = name.removesuffix(".weight")
-                tensors[base + ".weight_packed"] = torch.from_numpy(words.view(np.int32).copy())
-                tensors[base + ".weight_scale"] = scale
-                tensors[base + ".weight_shape"] = torch.tensor([N, K], dtype=torch.int32)
+                if ".experts." in name and name.endswith(".weight"):
+                    yield name, f.get_tensor(name).float()
+
+
+def _pack_nibbles_int32(q: torch.Tensor) -> torch.Tensor:
+    """[R, C] values 0..15 -> int32 [R, C/8], 8 along C a word, the first least significant."""
+    import numpy as np
+
+    words = np.zeros((q.shape[0], q.shape[1] // 8), dtype=np.uint32)
+    for i in range(8):
+        words |= q[:, i::8].numpy().astype(np.uint32) << np.uint32(4 * i)
+    return torch.from_numpy(words.view(np.int32).copy())
+
+
+def _save_experts(model_dir: Path, out: Path, quantization_config: dict, tensors: dict) -> Path:
+    import json
+
+    from safetensors.torch import save_file
+
+    config = json.loads((model_dir / "config.json").read_text())
+    config["quantization_config"] = quantization_config
     out.mkdir(parents=True)
     (out / "config.json").write_text(json.dumps(config))
     save_file(tensors, str(out / "model.safetensors"))
     return out
 
 
-def test_qwen3_moe_serves_an_int4_checkpoint_as_it_ships(qwen, tmp_path):
-    """--kt-method RAWINT4 with --kt-weight-path at a pack-quantized checkpoint: the server's ids and
-    log-probabilities follow our standalone stack on that checkpoint's own values."""
+def _rawint4_experts(model_dir: Path, out: Path) -> Path:
+    """The tiny model's experts as a checkpoint of their own in compressed-tensors pack-quantized INT4
+    (RAWINT4, Kimi-K2's format): round to nearest, symmetric, a bf16 scale per 32, packed 8 nibbles
+    to an int32 with value + 8 and the first K-value least significant."""
+    tensors = {}
+    for name, w in _expert_weights(model_dir):
+        N, K = w.shape
+        groups = w.reshape(N, K // 32, 32)
+        scale = (groups.abs().amax(-1) / 7).clamp_min(1e-8).bfloat16()
+        q = (groups / scale.float()[..., None]).round().clamp(-8, 7).reshape(N, K).to(torch.int64) + 8
+        base = name.removesuffix(".weight")
+        tensors[base + ".weight_packed"] = _pack_nibbles_int32(q)
+        tensors[base + ".weight_scale"] = scale
+        tensors[base + ".weight_shape"] = torch.tensor([N, K], dtype=torch.int32)
+    weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}
+    config = {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}},
+        "ignore": ["lm_head", "re:.*self_attn.*", "re:.*mlp.gate$"],
+    }
+    return _save_experts(model_dir, out, config, tensors)
+
+
+def _gptq_experts(model_dir: Path, out: Path) -> Path:
+    """The tiny model's experts as a GPTQ checkpoint (AutoGPTQ's "gptq" format): round to nearest,
+    asymmetric, an fp16 scale and a zero point per 32; `qweight` W^T packed 8 nibbles along K to an
+    int32, `qzeros` zero - 1 packed along N, `g_idx` in order."""
+    tensors = {}
+    for name, w in _expert_weights(model_dir):
+        N, K = w.shape
+        groups = w.reshape(N, K // 32, 32)
+        lo, hi = groups.amin(-1).clamp(max=0), groups.amax(-1).clamp(min=0)
+        scale = ((hi - lo) / 15).clamp_min(1e-8).half()
+        zero = (-lo / scale.float()).round().clamp(1, 15).to(torch.int64)
+        q = (groups / scale.float()[..., None]).round() + zero[..., None]
+        q = q.clamp(0, 15).reshape(N, K).to(torch.int64)
+        base = name.removesuffix(".weight")
+        tensors[base + ".qweight"] = _pack_nibbles_int32(q).t().contiguous()
+        tensors[base + ".qzeros"] = _pack_nibbles_int32((zero - 1).t().contiguous())
+        tensors[base + ".scales"] = scale.t().contiguous()
+        tensors[base + ".g_idx"] = (torch.arange(K) // 32).int()
+    config = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": False}
+    return _save_experts(model_dir, out, config | {"checkpoint_format": "gptq"}, tensors)
+
+
+E2M1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
+
+
+def _nvfp4_experts(model_dir: Path, out: Path) -> Path:
+    """The tiny model's experts as a ModelOpt NVFP4 checkpoint: e2m1 codes (two a byte, the low
+    nibble first), an e4m3 scale per 16 and an fp32 `weight_scale_2` per matrix, round to nearest."""
+    tensors = {}
+    for name, w in _expert_weights(model_dir):
+        N, K = w.shape
+        g = w.abs().amax() / (448 * 6)
+        blocks = w.reshape(N, K // 16, 16)
+        scale = (blocks.abs().amax(-1) / 6 / g).to(torch.float8_e4m3fn)
+        s = scale.float().clamp_min(2**-9) * g
+        codes = ((blocks / s[..., None])[..., None] - E2M1).abs().argmin(-1).reshape(N, K).to(torch.uint8)
+        base = name.removesuffix(".weight")
+        tensors[base + ".weight"] = codes[:, 0::2] | (codes[:, 1::2] << 4)
+        tensors[base + ".weight_scale"] = scale
+        tensors[base + ".weight_scale_2"] = g.reshape(())
+        tensors[base + ".input_scale"] = torch.tensor(1.0)
+    return _save_experts(
+        model_dir, out, {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16}, tensors
+    )
+
+
+@pytest.mark.parametrize(
+    ("method", "write"),
+    [("RAWINT4", _rawint4_experts), ("GPTQ_INT4", _gptq_experts), ("NVFP4", _nvfp4_experts)],
+    ids=["rawint4", "gptq-int4", "nvfp4"],
+)
+def test_qwen3_moe_serves_a_checkpoint_as_it_ships(qwen, method, write, tmp_path):
+    """--kt-method RAWINT4 / GPTQ_INT4 / NVFP4 with --kt-weight-path at the experts' checkpoint in that
+    format: the server's ids and log-probabilities follow our standalone stack on that checkpoint's
+    own values."""
     model_dir, _ = qwen
-    int4_dir = _rawint4_experts(model_dir, tmp_path / "int4")
+    checkpoint = write(model_dir, tmp_path / method.lower())
     standalone = _hf_model(model_dir)
-    replace_experts(standalone, int4_dir, "RAWINT4")
+    replace_experts(standalone, checkpoint, method)
     prompts = _reference(standalone)
-    args = _kt(model_dir, "RAWINT4")
-    args[args.index("--kt-weight-path") + 1] = str(int4_dir)
+    args = _kt(model_dir, method)
+    args[args.index("--kt-weight-path") + 1] = str(checkpoint)
     logprobs: list = []
     outs, _ = _serve_and_generate(model_dir, args, prompts, tmp_path / "server.log", logprobs)
     assert outs == [ids for _, ids in prompts]
     served = torch.tensor(logprobs)
     assert (served - _chosen_logprobs(standalone, prompts)).abs().max() < LOGPROB_TOL
+    # and they are the checkpoint's values, not the bf16 model's the server loads its attention from
+    assert (served - _chosen_logprobs(_hf_model(model_dir), prompts)).abs().max() > LOGPROB_TOL
 
 
 def _expert_adapter(model_dir: Path, out: Path) -> Path:
