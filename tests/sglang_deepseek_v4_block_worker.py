@@ -85,30 +85,10 @@ def release_config() -> dict:
 
 
 def reference_config(**overrides):
+    """transformers' config of the same model (it folds `num_hash_layers` into `mlp_layer_types`)."""
     from transformers import DeepseekV4Config
 
-    kw = dict(
-        vocab_size=VOCAB,
-        hidden_size=H,
-        moe_intermediate_size=I,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        head_dim=64,
-        q_lora_rank=64,
-        o_lora_rank=64,
-        o_groups=2,
-        index_n_heads=4,
-        index_head_dim=32,
-        index_topk=8,
-        n_routed_experts=E,
-        n_shared_experts=1,
-        num_experts_per_tok=K,
-        mlp_layer_types=["hash_moe", "moe"],
-        scoring_func="sqrtsoftplus",
-        routed_scaling_factor=SCALING,
-        swiglu_limit=LIMIT,
-    )
-    return DeepseekV4Config(**(kw | overrides))
+    return DeepseekV4Config(**(release_config() | overrides))
 
 
 def mxfp4(
@@ -289,7 +269,7 @@ def main() -> None:
                         else {"gate.tid2eid": torch.randint(0, E, (VOCAB, K))}
                     ),
                     layer,
-                    mlp_layer_types=["moe", "moe"] if layer == 0 else ["hash_moe", "hash_moe"],
+                    num_hash_layers=0 if layer == 0 else 2,
                 ),
             }
             errors = {
