@@ -1,5 +1,5 @@
 // AVX2 + FMA FP8: the bf16 products skeleton (../../kernels/avx2/bf16_products-inl.h) with e4m3
-// widened to fp32 by shifts, each group's sums times its scales.
+// widened to fp16 by a shift and a mask, then to fp32 by F16C, each group's sums times its scales.
 #include <immintrin.h>
 
 #include <stdexcept>
@@ -15,13 +15,14 @@ constexpr int kGroup = fp8::kBlock;
 constexpr int64_t kGroupBytes = group_bytes(Method::kFp8, kGroup);
 constexpr int64_t kWeightBytes = group_weight_bytes(Method::kFp8, kGroup);
 
-// The e4m3 byte in the top byte of each 32-bit lane -> fp32, exact: its exponent and mantissa
-// shifted down by 4 read as value * 2^-120 (normals and subnormals alike), made whole by 2^120.
-inline __m256 top_byte_to_float(__m256i t) {
-  const __m256i mag = _mm256_srli_epi32(_mm256_and_si256(t, _mm256_set1_epi32(0x7f000000)), 4);
-  const __m256 v = _mm256_mul_ps(_mm256_castsi256_ps(mag), _mm256_set1_ps(0x1p120f));
-  return _mm256_or_ps(
-      v, _mm256_castsi256_ps(_mm256_and_si256(t, _mm256_set1_epi32(static_cast<int>(0x80000000u)))));
+// 8 channels' e4m3 bytes in the high byte of each 16-bit lane -> fp16 of value * 2^-8, exact:
+// sign in place, the 4-bit exponent and 3-bit mantissa one bit lower read as a 5-bit exponent (bias
+// 15 for e4m3's 7) and the top of fp16's mantissa; subnormals land on fp16 subnormals alike. The
+// group's scales carry the 2^8. (One shift, one mask and one F16C conversion a vector; the fp32
+// construction by shifts took 2.3x the instructions.)
+inline __m256 high_bytes_to_float(__m128i x) {
+  const __m128i fp16 = _mm_and_si128(_mm_srai_epi16(x, 1), _mm_set1_epi16(static_cast<short>(0xbf80)));
+  return _mm256_cvtph_ps(fp16);
 }
 
 struct Fp8Weights {
@@ -34,14 +35,15 @@ struct Fp8Weights {
     for (int h = 0; h < 2; ++h) {
       const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 32 * h));
       const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 32 * h + 16));
-      const __m256i pairs =
-          _mm256_cvtepu16_epi32(j % 2 == 0 ? _mm_unpacklo_epi64(a, b) : _mm_unpackhi_epi64(a, b));
-      even[h] = top_byte_to_float(_mm256_slli_epi32(pairs, 24));
-      odd[h] = top_byte_to_float(_mm256_slli_epi32(pairs, 16));
+      // channel n's K-values 2j, 2j + 1 in bytes 2n, 2n + 1
+      const __m128i pairs = j % 2 == 0 ? _mm_unpacklo_epi64(a, b) : _mm_unpackhi_epi64(a, b);
+      even[h] = high_bytes_to_float(_mm_slli_epi16(pairs, 8));
+      odd[h] = high_bytes_to_float(pairs);
     }
   }
-  __m256 scale(const uint8_t* w, int h) const {
-    return _mm256_loadu_ps(reinterpret_cast<const float*>(w + kWeightBytes) + 8 * h);
+  __m256 scale(const uint8_t* w, int h) const {  // times the decode's 2^8
+    return _mm256_mul_ps(_mm256_loadu_ps(reinterpret_cast<const float*>(w + kWeightBytes) + 8 * h),
+                         _mm256_set1_ps(256.0f));
   }
 };
 
