@@ -18,8 +18,8 @@ constexpr int64_t kWeightBytes = group_weight_bytes(Method::kFp8, kGroup);
 // 8 channels' e4m3 bytes in the high byte of each 16-bit lane -> fp16 of value * 2^-8, exact:
 // sign in place, the 4-bit exponent and 3-bit mantissa one bit lower read as a 5-bit exponent (bias
 // 15 for e4m3's 7) and the top of fp16's mantissa; subnormals land on fp16 subnormals alike. The
-// group's scales carry the 2^8. (One shift, one mask and one F16C conversion a vector; the fp32
-// construction by shifts took 2.3x the instructions.)
+// group's scales carry the 2^8. Building fp32 by shifts instead was x1.23-1.29 slower on the Qwen3
+// layer (1, 16 and 512 tokens).
 inline __m256 high_bytes_to_float(__m128i x) {
   const __m128i fp16 = _mm_and_si128(_mm_srai_epi16(x, 1), _mm_set1_epi16(static_cast<short>(0xbf80)));
   return _mm256_cvtph_ps(fp16);
