@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from sglang_moe_block_worker import load_plugin, start_sglang
+from sglang_moe_block_worker import load_dense_tensor, load_plugin, process_after_loading, start_sglang
 
 E, K, H, I = 16, 4, 256, 128
 VOCAB = 512
@@ -173,17 +173,9 @@ def load_block_weights(block: torch.nn.Module, layer: int, tensors: dict[str, to
         if not name.startswith(f"layers.{layer}.") or ".experts." in name.replace("shared_experts", ""):
             continue
         local = DeepseekV4ForCausalLM.remap_weight_name_to_dpsk_hf_format(name).removeprefix(prefix)
-        if local.startswith("shared_experts.") and ("gate_proj" in local or "up_proj" in local):
-            target = params["shared_experts.gate_up_proj.weight"]
-            target.weight_loader(target, w, 0 if "gate_proj" in local else 1)
-        else:
-            target = params[local]
-            getattr(target, "weight_loader", lambda p, v: p.data.copy_(v))(target, w)
+        load_dense_tensor(params, local, w)
         loaded.append(local)
-    for module in block.modules():
-        method = getattr(module, "quant_method", None)
-        if method is not None and hasattr(method, "process_weights_after_loading"):
-            method.process_weights_after_loading(module)
+    process_after_loading(block)
     return sorted(loaded)
 
 

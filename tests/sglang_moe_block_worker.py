@@ -149,6 +149,25 @@ def start_sglang(model_dir: Path, method: str, hot: int, port: int) -> None:
     initialize_model_parallel(backend="gloo")
 
 
+def load_dense_tensor(params: dict[str, torch.nn.Parameter], local: str, w: torch.Tensor) -> None:
+    """One tensor of a DeepSeek MoE block other than a routed expert's, under its SGLang name within
+    the block: the shared expert's gate and up go into its merged gate_up_proj."""
+    if local.startswith("shared_experts.") and ("gate_proj" in local or "up_proj" in local):
+        target = params["shared_experts.gate_up_proj.weight"]
+        target.weight_loader(target, w, 0 if "gate_proj" in local else 1)
+    else:
+        target = params[local]
+        getattr(target, "weight_loader", lambda p, v: p.data.copy_(v))(target, w)
+
+
+def process_after_loading(block: torch.nn.Module) -> None:
+    """Each quantization method's post-load step, as SGLang's loader runs it."""
+    for module in block.modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None and hasattr(method, "process_weights_after_loading"):
+            method.process_weights_after_loading(module)
+
+
 def load_block_weights(block: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
     """What SGLang's DeepSeek loader does for one MoE block: FusedMoE's expert mapping and each
     parameter's weight_loader (our hook maps expert ids to slots), then post-load processing."""
@@ -167,16 +186,9 @@ def load_block_weights(block: torch.nn.Module, tensors: dict[str, torch.Tensor])
             param_name, weight_name, expert_id, shard_id = next(m for m in mapping if m[1] in local)
             target = local.replace(weight_name, param_name)
             params[target].weight_loader(params[target], w, target, shard_id=shard_id, expert_id=expert_id)
-        elif local.startswith("shared_experts.") and ("gate_proj" in local or "up_proj" in local):
-            target = params["shared_experts.gate_up_proj.weight"]
-            target.weight_loader(target, w, 0 if "gate_proj" in local else 1)
         else:
-            target = params[local]
-            getattr(target, "weight_loader", lambda p, v: p.data.copy_(v))(target, w)
-    for module in block.modules():
-        method = getattr(module, "quant_method", None)
-        if method is not None and hasattr(method, "process_weights_after_loading"):
-            method.process_weights_after_loading(module)
+            load_dense_tensor(params, local, w)
+    process_after_loading(block)
 
 
 def main() -> None:

@@ -25,6 +25,7 @@ void gemm_bf16_products_rows(const W& weights, int64_t K, const Bf16Rows& a, int
   const W dec = weights;                       // a local copy keeps its tables in registers
   const int64_t ahead = weight_prefetch_bytes();
   const int64_t span = W::kGroup > 0 ? W::kGroup : K, gbytes = W::group_bytes(span);
+  const int64_t chunk_bytes = gbytes / (span / 32);  // of 32 K-values
   __m512 total[kRows];
   for (int i = 0; i < kRows; ++i) total[i] = _mm512_setzero_ps();
   for (int64_t k0 = 0; k0 < K; k0 += span) {
@@ -37,8 +38,8 @@ void gemm_bf16_products_rows(const W& weights, int64_t K, const Bf16Rows& a, int
       for (int u = 0; u < kChains; ++u) acc[i][u] = _mm512_setzero_ps();
     for (int64_t k = 0; k < span; k += 32) {  // 16 K-pairs of each row
       if constexpr (W::kGroup == 0)           // every line of the chunk, `ahead` bytes on
-        for (int64_t off = 0; ahead > 0 && off < gbytes / (span / 32); off += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(w) + k * gbytes / span + ahead + off, _MM_HINT_T0);
+        for (int64_t off = 0; ahead > 0 && off < chunk_bytes; off += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(w) + k / 32 * chunk_bytes + ahead + off, _MM_HINT_T0);
       const int32_t* x[kRows];
       for (int i = 0; i < kRows; ++i) x[i] = reinterpret_cast<const int32_t*>(bf16_at(a, i0 + i, k0 + k));
       for (int j = 0; j < 16; j += kChains)
