@@ -1,5 +1,6 @@
 // The only pybind11 file: thin wrappers, no logic. Tensors cross as data pointers; the Python side
 // (kt_sglang.engine) validates dtypes, shapes and devices before calling in.
+#include <cstdint>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 

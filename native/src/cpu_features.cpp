@@ -2,6 +2,7 @@
 #include "kt/cpu_features.h"
 
 #include <cpuid.h>
+#include <cstdint>
 #include <sys/syscall.h>
 #include <unistd.h>
 

@@ -1,5 +1,6 @@
 // One kernel table per ISA, filled once. An entry a family lacks (or a feature the CPU lacks within
 // that family, e.g. AVX-512 without VNNI) falls back to the next lower family.
+#include <cstdint>
 #include <cstdlib>
 #include <stdexcept>
 #include <string>

@@ -1,6 +1,7 @@
 #include "kt/env.h"
 
 #include <cerrno>
+#include <cstdint>
 #include <cstdlib>
 #include <stdexcept>
 #include <string>

@@ -3,6 +3,7 @@
 // table's hand-vectorized silu_mul.
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 
 #include "kt/float_types.h"
 #include "kt/kernels.h"

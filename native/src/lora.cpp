@@ -18,6 +18,7 @@
 //   5. per token: grad_in = sum over its rows of dx; grad_weights per slot
 #include "kt/lora.h"
 
+#include <cstdint>
 #include <immintrin.h>
 
 #include <algorithm>

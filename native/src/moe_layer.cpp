@@ -1,5 +1,6 @@
 #include "kt/moe_layer.h"
 
+#include <cstdint>
 #include <immintrin.h>
 #include <sched.h>
 

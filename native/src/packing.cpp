@@ -1,5 +1,6 @@
 #include "kt/packing.h"
 
+#include <cstdint>
 #include <cstring>
 
 #include "methods/registry.h"

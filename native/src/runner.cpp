@@ -1,5 +1,6 @@
 #include "kt/runner.h"
 
+#include <cstdint>
 #include <immintrin.h>
 #include <sched.h>
 

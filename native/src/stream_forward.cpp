@@ -1,5 +1,6 @@
 #include "kt/stream_forward.h"
 
+#include <cstdint>
 #include <stdexcept>
 
 #include "kt/cuda_host.h"

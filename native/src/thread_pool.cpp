@@ -1,4 +1,5 @@
 // Barriers and the per-worker context of the runner's pools.
+#include <cstdint>
 #include <immintrin.h>
 #include <sched.h>
 

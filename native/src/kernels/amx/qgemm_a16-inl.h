@@ -5,6 +5,7 @@
 // sets the pace. Small batches go to the AVX-512 VNNI kernel, which reads the packed weights directly.
 #pragma once
 
+#include <cstdint>
 #include <vector>
 
 #include "../epilogue.h"

@@ -9,6 +9,7 @@
 //   W.scale(w, h)                  the group's scales of channels 8h..8h+7 (kGroup > 0 only)
 #pragma once
 
+#include <cstdint>
 #include <immintrin.h>
 
 #include "../activations.h"

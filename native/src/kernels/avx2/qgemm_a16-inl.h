@@ -4,6 +4,7 @@
 // weights are widened to 16 bits by a mask or a shift, once per tile for all of its rows.
 #pragma once
 
+#include <cstdint>
 #include <immintrin.h>
 
 #include <vector>

@@ -10,6 +10,7 @@
 // K-chunk of a few panels into a buffer first (decoded_tiles-inl.h).
 #pragma once
 
+#include <cstdint>
 #include <immintrin.h>
 
 #include "../activations.h"

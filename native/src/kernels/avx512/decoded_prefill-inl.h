@@ -9,6 +9,7 @@
 //   each group's sums by its scale, as FP8's do (decoded_tiles-inl.h).
 #pragma once
 
+#include <cstdint>
 #include <immintrin.h>
 
 #include <algorithm>

@@ -5,6 +5,7 @@
 // call however many rows it has.
 #pragma once
 
+#include <cstdint>
 #include <immintrin.h>
 
 #include <algorithm>

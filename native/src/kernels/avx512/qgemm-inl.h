@@ -3,6 +3,7 @@
 // panel; prefill: tiles of rows x panels (row_blocks-inl.h).
 #pragma once
 
+#include <cstdint>
 #include <immintrin.h>
 
 #include <utility>

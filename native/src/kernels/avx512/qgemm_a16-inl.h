@@ -9,6 +9,7 @@
 // sa * ws * D + scaled_sum * wm, D = sum(q16 * u).
 #pragma once
 
+#include <cstdint>
 #include <immintrin.h>
 
 #include <algorithm>

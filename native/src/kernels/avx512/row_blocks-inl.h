@@ -5,6 +5,8 @@
 // row of the tile and each broadcast activation every panel.
 #pragma once
 
+#include <cstdint>
+
 #include "../tiles.h"
 #include "kt/kernels.h"
 #include "kt/quant_types.h"

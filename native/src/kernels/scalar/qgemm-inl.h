@@ -1,6 +1,8 @@
 // Portable twin of the quantized GEMMs (INT8 and INT4 share it; see ../epilogue.h).
 #pragma once
 
+#include <cstdint>
+
 #include "../activations.h"
 #include "../epilogue.h"
 #include "kt/kernels.h"

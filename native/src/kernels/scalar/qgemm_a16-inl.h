@@ -1,6 +1,8 @@
 // Portable twin of the A16 GEMMs: quantized weights, bf16 activations (see ../epilogue.h).
 #pragma once
 
+#include <cstdint>
+
 #include "../activations.h"
 #include "../epilogue.h"
 #include "kt/kernels.h"

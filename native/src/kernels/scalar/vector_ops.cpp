@@ -1,5 +1,6 @@
 // Element-wise steps around the GEMMs, exact fp32: the twins of the SIMD versions.
 #include <cmath>
+#include <cstdint>
 
 #include "kt/float_types.h"
 #include "kt/kernels.h"

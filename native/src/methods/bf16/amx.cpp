@@ -8,6 +8,7 @@
 // per step, so its DRAM stream overlaps this pair's AMX work instead of stalling the first row
 // block's tile loads. Sums of full row blocks live in c between chunks; the others in `acc`.
 #include <algorithm>
+#include <cstdint>
 #include <vector>
 
 #include "../../kernels/amx/tile_config.h"

@@ -1,5 +1,6 @@
 // AVX2 + FMA fallback for BF16: the bf16 products skeleton (../../kernels/avx2/bf16_products-inl.h)
 // with the stored rows widened to fp32 by a shift and a mask.
+#include <cstdint>
 #include <immintrin.h>
 
 #include "../../kernels/avx2/bf16_products-inl.h"

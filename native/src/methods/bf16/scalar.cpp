@@ -1,4 +1,6 @@
 // Portable twin of every bf16 kernel: the reference the SIMD families are tested against.
+#include <cstdint>
+
 #include "../../kernels/activations.h"
 #include "kt/float_types.h"
 #include "kt/quant_types.h"

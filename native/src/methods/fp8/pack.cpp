@@ -1,6 +1,7 @@
 // FP8's canonical tensors -> packed groups, e4m3 conversions, and quantization of dense matrices.
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <stdexcept>
 #include <string>

@@ -1,5 +1,7 @@
 // Portable twin of the FP8 GEMM: e4m3 decoded exactly, fp32 sums per group, times the group's
 // channel scales.
+#include <cstdint>
+
 #include "../../kernels/activations.h"
 #include "fp8.h"
 

@@ -1,3 +1,5 @@
+#include <cstdint>
+
 #include "../../kernels/amx/qgemm-inl.h"
 #include "../../kernels/amx/qgemm_a16-inl.h"
 

@@ -1,3 +1,5 @@
+#include <cstdint>
+
 #include "../../kernels/avx2/qgemm-inl.h"
 #include "../../kernels/avx2/qgemm_a16-inl.h"
 

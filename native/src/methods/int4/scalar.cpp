@@ -1,3 +1,5 @@
+#include <cstdint>
+
 #include "../../kernels/scalar/qgemm-inl.h"
 #include "../../kernels/scalar/qgemm_a16-inl.h"
 

@@ -1,4 +1,6 @@
 // RAWINT4 / GPTQ_INT4 canonical tensors -> packed groups: INT4's nibbles, then the scale block.
+#include <cstdint>
+
 #include "../registry.h"
 #include "int4_checkpoint.h"
 

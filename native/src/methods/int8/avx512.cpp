@@ -1,3 +1,5 @@
+#include <cstdint>
+
 #include "../../kernels/avx512/qgemm-inl.h"
 #include "../../kernels/avx512/qgemm_a16-inl.h"
 

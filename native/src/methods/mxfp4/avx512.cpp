@@ -1,3 +1,5 @@
+#include <cstdint>
+
 #include "../../kernels/avx512/decoded_prefill-inl.h"
 #include "mxfp4.h"
 

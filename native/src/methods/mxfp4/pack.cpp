@@ -1,5 +1,7 @@
 // MXFP4 canonical tensors -> packed groups: the e2m1 codes as INT4's nibbles, then 16 e8m0 bytes
 // (255, e8m0's NaN, was refused by check_finite).
+#include <cstdint>
+
 #include "../registry.h"
 #include "mxfp4.h"
 

@@ -1,3 +1,5 @@
+#include <cstdint>
+
 #include "../../kernels/scalar/qgemm_a16-inl.h"
 #include "mxfp4.h"
 

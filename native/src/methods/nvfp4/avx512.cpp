@@ -1,3 +1,5 @@
+#include <cstdint>
+
 #include "../../kernels/avx512/decoded_prefill-inl.h"
 #include "nvfp4.h"
 

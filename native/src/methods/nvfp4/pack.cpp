@@ -1,5 +1,6 @@
 // NVFP4 canonical tensors -> packed groups: the e2m1 codes as INT4's nibbles, 16 e4m3 scale bytes,
 // then the matrix's fp32 scale (e4m3 NaN codes were refused by check_finite).
+#include <cstdint>
 #include <cstring>
 
 #include "../registry.h"
