@@ -15,7 +15,10 @@ if not torch.cuda.is_available():
 from kt_sglang.engine import SharedRunner
 from kt_sglang.engine.native import _native
 
-ALL_ISAS = ("scalar", "avx2", "avx512", "amx")
+# amx-emu: the AMX kernels on the software model of the tile unit (native/src/kernels/amx/tile_model.h),
+# run wherever the AVX-512 the rest of those kernels uses is present.
+ALL_ISAS = ("scalar", "avx2", "avx512", "amx", "amx-emu")
+AMX_ISAS = ("amx", "amx-emu")
 SUPPORTED_ISAS = tuple(_native.supported_isas())
 
 

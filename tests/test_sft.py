@@ -102,7 +102,7 @@ def test_gradients_match_autograd(method, isa):
     check_against_reference(layer, frozen, lora, grads, hidden, ids, weights, grad_out)
 
 
-@pytest.mark.parametrize("isa", isa_params(("avx2", "avx512", "amx")))
+@pytest.mark.parametrize("isa", isa_params(("avx2", "avx512", "amx", "amx-emu")))
 @pytest.mark.parametrize("method", ["BF16", "AMXINT8", "AMXINT4", "GPTQ_INT4", "MXFP4", "NVFP4"])
 def test_isa_paths_agree_with_the_scalar_twin(method, isa):
     """The backward's transposed products decode the packed panels per ISA: every gradient agrees with

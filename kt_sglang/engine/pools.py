@@ -123,13 +123,16 @@ class SharedRunner:
             cls._runner = cls._workspace = cls._layout = None
 
 
+ISA_PATHS: tuple[str, ...] = tuple(_native.isa_paths())
+
+
 def selected_isa(isa: str | None = None) -> str:
     """The kernel family to use: `isa`, else KT_SGLANG_ISA, else the best this CPU runs."""
     if isa is None:
         return _native.selected_isa()  # raises ValueError naming KT_SGLANG_ISA when it is bad
     supported = _native.supported_isas()
-    if isa not in ("scalar", "avx2", "avx512", "amx"):
-        raise ValueError(f"isa={isa!r} is not an ISA path: use scalar, avx2, avx512 or amx")
+    if isa not in ISA_PATHS:
+        raise ValueError(f"isa={isa!r} is not an ISA path: use one of {', '.join(ISA_PATHS)}")
     if isa not in supported:
         raise ValueError(f"isa={isa!r} is not supported by this CPU (it runs {supported})")
     return isa

@@ -1,10 +1,14 @@
 // The only pybind11 file: thin wrappers, no logic. Tensors cross as data pointers; the Python side
 // (kt_sglang.engine) validates dtypes, shapes and devices before calling in.
-#include <cstdint>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
+#include <array>
+#include <cstdint>
 #include <cstring>
+#include <tuple>
+#include <utility>
 
 #include "kt/aligned_vector.h"
 #include "kt/cpu_features.h"
@@ -18,6 +22,7 @@
 #include "kt/runner.h"
 #include "kt/stream_forward.h"
 #include "kt/topology.h"
+#include "kernels/amx/tile_model.h"
 
 namespace py = pybind11;
 using namespace kt;
@@ -109,6 +114,48 @@ PYBIND11_MODULE(_native, m) {
         py::arg("amx_int8") = f.amx_int8, py::arg("amx_bf16") = f.amx_bf16, py::arg("os_avx") = f.os_avx,
         py::arg("os_avx512") = f.os_avx512, py::arg("os_amx") = f.os_amx,
         py::arg("amx_permitted") = f.amx_permitted, py::arg("amx_permission_error") = f.amx_permission_error);
+  });
+  m.def(
+      "amx_tile_program",
+      [](const std::string& backend, uintptr_t config, const std::vector<py::tuple>& program) {
+        using Op = amx_model::TileOp;
+        static const std::pair<const char*, Op::Kind> kinds[] = {
+            {"load", Op::kLoad},     {"store", Op::kStore},   {"zero", Op::kZero},
+            {"dpbssd", Op::kDpbssd}, {"dpbsud", Op::kDpbsud}, {"dpbusd", Op::kDpbusd},
+            {"dpbuud", Op::kDpbuud}, {"dpbf16ps", Op::kDpbf16ps}};
+        std::vector<Op> ops;
+        for (const py::tuple& t : program) {
+          const auto name = t[0].cast<std::string>();
+          const auto* kind = std::find_if(std::begin(kinds), std::end(kinds),
+                                          [&](const auto& k) { return name == k.first; });
+          if (kind == std::end(kinds)) throw std::invalid_argument("unknown tile instruction '" + name + "'");
+          Op op{kind->second, {t[1].cast<int>(), 0, 0}};
+          if (op.kind == Op::kLoad || op.kind == Op::kStore)
+            op.memory = reinterpret_cast<void*>(t[2].cast<uintptr_t>()), op.stride = t[3].cast<int64_t>();
+          else if (op.kind != Op::kZero)
+            op.tile[1] = t[2].cast<int>(), op.tile[2] = t[3].cast<int>();
+          ops.push_back(op);
+        }
+        const void* cfg = reinterpret_cast<const void*>(config);
+        if (backend == "model") return amx_model::run_program(cfg, ops);
+        if (backend != "hardware") throw std::invalid_argument("backend is 'model' or 'hardware'");
+        if (!isa_supported(Isa::kAmx)) throw std::invalid_argument("this CPU cannot run the 'amx' kernels");
+        amx_model::run_program(cfg, ops, /*dry_run=*/true);  // a fault is an exception, not a SIGILL
+        kernels::amx::run_tile_program(cfg, ops);
+      },
+      py::arg("backend"), py::arg("config"), py::arg("program"),
+      "Runs a tile program on the AMX model or the tile unit: (name, tile, ...) tuples, see tile_model.h.");
+  m.def("amx_model_counters", [] {
+    const amx_model::Counters c = amx_model::counters();
+    return py::dict(py::arg("configs") = c.configs, py::arg("loads") = c.loads, py::arg("stores") = c.stores,
+                    py::arg("zeros") = c.zeros, py::arg("dots") = c.dots, py::arg("load_bytes") = c.load_bytes,
+                    py::arg("store_bytes") = c.store_bytes, py::arg("macs") = c.macs);
+  });
+  m.def("amx_model_reset_counters", &amx_model::reset_counters);
+  m.def("isa_paths", [] {
+    std::vector<std::string> out;
+    for (Isa isa : kAllIsas) out.emplace_back(isa_name(isa));
+    return out;
   });
   m.def("supported_isas", [] {
     std::vector<std::string> out;

@@ -103,12 +103,14 @@ const char* isa_name(Isa isa) {
       return "avx512";
     case Isa::kAmx:
       return "amx";
+    case Isa::kAmxEmu:
+      return "amx-emu";
   }
   return "?";
 }
 
 std::optional<Isa> parse_isa(std::string_view name) {
-  for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512, Isa::kAmx})
+  for (Isa isa : kAllIsas)
     if (name == isa_name(isa)) return isa;
   return std::nullopt;
 }
@@ -127,19 +129,24 @@ bool isa_supported(Isa isa) {
     case Isa::kAmx:
       return avx512 && f.avx512_vnni && f.avx512_bf16 && f.avx512_vbmi && f.amx_tile && f.amx_int8 &&
              f.amx_bf16 && f.amx_permitted;
+    case Isa::kAmxEmu:  // what the AMX kernels use besides the tile unit
+      return avx512 && f.avx512_vnni && f.avx512_bf16 && f.avx512_vbmi;
   }
   return false;
 }
 
 std::vector<Isa> supported_isas() {
   std::vector<Isa> out;
-  for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512, Isa::kAmx})
+  for (Isa isa : kAllIsas)
     if (isa_supported(isa)) out.push_back(isa);
   return out;
 }
 
 Isa best_isa() {
-  return supported_isas().back();
+  Isa best = Isa::kScalar;
+  for (Isa isa : supported_isas())
+    if (isa != Isa::kAmxEmu) best = isa;
+  return best;
 }
 
 }  // namespace kt

@@ -21,6 +21,7 @@ KernelTable make_table(Isa isa) {
   // ascending ISA order per method).
   for (const KernelRow& row : kernel_rows()) {
     if (row.isa > isa || !row.usable(f)) continue;
+    if (isa == Isa::kAmxEmu && row.isa == Isa::kAmx) continue;  // the modelled kernels instead
     MethodKernels& k = t.methods[static_cast<int>(row.method)];
     if (row.gemm_q8) k.gemm_q8 = row.gemm_q8, k.isa_q8 = row.isa;
     if (row.gemm_a16) k.gemm_a16 = row.gemm_a16, k.isa_a16 = row.isa;
@@ -51,8 +52,8 @@ KernelTable make_table(Isa isa) {
 }  // namespace
 
 const KernelTable& kernel_table(Isa isa) {
-  static const KernelTable tables[] = {make_table(Isa::kScalar), make_table(Isa::kAvx2),
-                                       make_table(Isa::kAvx512), make_table(Isa::kAmx)};
+  static const KernelTable tables[] = {make_table(Isa::kScalar), make_table(Isa::kAvx2), make_table(Isa::kAvx512),
+                                       make_table(Isa::kAmx), make_table(Isa::kAmxEmu)};
   if (!isa_supported(isa))
     throw std::invalid_argument(std::string("this CPU cannot run the '") + isa_name(isa) + "' kernels");
   return tables[static_cast<int>(isa)];
@@ -71,7 +72,7 @@ Isa selected_isa() {
   const auto isa = parse_isa(env);
   if (!isa)
     throw std::invalid_argument(std::string("KT_SGLANG_ISA='") + env +
-                                "' is not an ISA path: use scalar, avx2, avx512 or amx");
+                                "' is not an ISA path: use scalar, avx2, avx512, amx or amx-emu");
   if (!isa_supported(*isa))
     throw std::invalid_argument(std::string("KT_SGLANG_ISA='") + env +
                                 "' asks for a path this CPU cannot run (best here: " + isa_name(best_isa()) +

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <stdexcept>
+#include <utility>
 
 #include "kt/env.h"
 #include "kt/topology.h"

@@ -3,9 +3,12 @@
 #include <hwloc.h>
 #include <sys/mman.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <mutex>
+#include <new>
 #include <stdexcept>
+#include <utility>
 
 namespace kt {
 

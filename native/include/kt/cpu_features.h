@@ -9,7 +9,11 @@
 namespace kt {
 
 // Kernel families, lowest to highest. Every ISA falls back to the next lower one per kernel.
-enum class Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAmx = 3 };
+// kAmxEmu is the AMX kernels compiled against the software model of the tile unit
+// (src/kernels/amx/tile_model.h) over AVX-512: chosen only by name (KT_SGLANG_ISA, tests), never
+// as the best ISA; it ranks above kAmx so that `isa >= kAvx512` / `>= kAmx` tests treat it as AMX.
+enum class Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAmx = 3, kAmxEmu = 4 };
+inline constexpr Isa kAllIsas[] = {Isa::kScalar, Isa::kAvx2, Isa::kAvx512, Isa::kAmx, Isa::kAmxEmu};
 
 const char* isa_name(Isa isa);
 std::optional<Isa> parse_isa(std::string_view name);

@@ -108,6 +108,7 @@ KT_DECLARE_KERNELS(scalar)
 KT_DECLARE_KERNELS(avx2)
 KT_DECLARE_KERNELS(avx512)
 KT_DECLARE_KERNELS(amx)
+KT_DECLARE_KERNELS(amx_emu)  // the AMX kernels on the tile unit's software model
 #undef KT_DECLARE_KERNELS
 // Element-wise kernels: AMX adds nothing to them, so the AMX table takes AVX-512's.
 #define KT_DECLARE_VECTOR_OPS(ns)                                                                     \

@@ -6,6 +6,8 @@
 // built with different target flags.
 #pragma once
 
+#include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 

@@ -16,7 +16,7 @@
 #include "../epilogue.h"
 #include "tile_config.h"
 
-namespace kt::kernels::amx {
+namespace kt::kernels::KT_AMX_NAMESPACE {
 
 // B tile rows (group / 4 rows of 64 bytes) of one packed panel group, in L1: INT4 unpacked from
 // nibbles, INT8 made signed. Tile loads straight from DRAM stalled AMX (INT8 ran at half INT4's speed);
@@ -168,4 +168,4 @@ void gemm_quant(int m, int64_t K, int group, const QuantRows& a, const uint8_t* 
 
 #undef KT_TILE_DOT
 
-}  // namespace kt::kernels::amx
+}  // namespace kt::kernels::KT_AMX_NAMESPACE

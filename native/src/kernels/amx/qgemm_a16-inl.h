@@ -12,7 +12,7 @@
 #include "kt/aligned_vector.h"
 #include "tile_config.h"
 
-namespace kt::kernels::amx {
+namespace kt::kernels::KT_AMX_NAMESPACE {
 
 // Dequantization in three vector steps per 16 weights: a byte permute (VBMI) moves each packed
 // byte to the top of a 32-bit lane in the order the BF16 VNNI row wants; an unsigned conversion
@@ -155,4 +155,4 @@ void gemm_quant_a16(int m, int64_t K, int group, const Bf16Rows& a, const uint8_
   }
 }
 
-}  // namespace kt::kernels::amx
+}  // namespace kt::kernels::KT_AMX_NAMESPACE

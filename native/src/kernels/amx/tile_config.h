@@ -1,5 +1,9 @@
 // AMX tile configuration shared by the AMX kernels: 8 tiles of 16 rows x 64 bytes.
 // ref: Intel SDM Vol. 1, 18.2 (tile configuration), Intel Intrinsics Guide (_tile_*)
+//
+// The kernels are built twice: for the tile unit (namespace amx) and, with KT_AMX_MODEL, against
+// its software model (namespace amx_emu, the "amx-emu" ISA), which takes over the _tile_*
+// intrinsics.
 #pragma once
 
 #include <immintrin.h>
@@ -11,7 +15,14 @@
 #include "kt/kernels.h"
 #include "kt/thread_scratch.h"
 
-namespace kt::kernels::amx {
+#ifdef KT_AMX_MODEL
+#include "tile_model.h"
+#define KT_AMX_NAMESPACE amx_emu
+#else
+#define KT_AMX_NAMESPACE amx
+#endif
+
+namespace kt::kernels::KT_AMX_NAMESPACE {
 
 struct alignas(64) TileConfig {
   uint8_t palette_id;
@@ -51,4 +62,4 @@ inline const uint8_t* tiled_block(const uint8_t* const* rows, int64_t chunk_stri
   return stage;
 }
 
-}  // namespace kt::kernels::amx
+}  // namespace kt::kernels::KT_AMX_NAMESPACE

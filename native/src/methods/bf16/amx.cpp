@@ -14,7 +14,7 @@
 #include "../../kernels/amx/tile_config.h"
 #include "kt/quant_types.h"
 
-namespace kt::kernels::amx {
+namespace kt::kernels::KT_AMX_NAMESPACE {
 
 namespace {
 
@@ -162,4 +162,4 @@ void gemm_bf16(int m, int64_t K, int group, const Bf16Rows& a, const uint8_t* pa
     }
 }
 
-}  // namespace kt::kernels::amx
+}  // namespace kt::kernels::KT_AMX_NAMESPACE
