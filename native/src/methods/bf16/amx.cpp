@@ -95,9 +95,9 @@ void gemm_bf16(int m, int64_t K, int group, const Bf16Rows& a, const uint8_t* pa
                           rows, K * 2, stage.data() + b * kRowBlock * K * 2);
   }
   // Where the sums of (pair, block) live: c itself for a full block of two panels, else acc.
+  auto in_c = [&](int pair, int b) { return m - b * kRowBlock >= kRowBlock && 2 * pair + 1 < npanels; };
   auto sums = [&](int pair, int b, int64_t& stride) -> float* {
-    const int rows = std::min(kRowBlock, m - b * kRowBlock);
-    if (rows == kRowBlock && 2 * pair + 1 < npanels) {
+    if (in_c(pair, b)) {
       stride = ldc;
       return c + b * kRowBlock * ldc + 2 * pair * kPanelWidth;
     }
@@ -152,9 +152,9 @@ void gemm_bf16(int m, int64_t K, int group, const Bf16Rows& a, const uint8_t* pa
   // Row blocks and the lone panel that accumulated in acc go to c.
   for (int pair = 0; pair < pairs; ++pair)
     for (int b = 0; b < blocks; ++b) {
+      if (in_c(pair, b)) continue;  // not by the stride: acc's (32) is ldc in a call of two panels
       int64_t stride;
       const float* s = sums(pair, b, stride);
-      if (stride == ldc) continue;
       const int rows = std::min(kRowBlock, m - b * kRowBlock);
       const int width = 2 * pair + 1 < npanels ? 32 : 16;
       for (int i = 0; i < rows; ++i)
