@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import isa_params, make_hidden, make_routing, make_weights
+from conftest import AMX_ISAS, isa_params, make_hidden, make_routing, make_weights
 
 from kt_sglang.engine import KTMoEWrapper, SharedRunner
 from kt_sglang.engine.canonical import dequantize, quantize, random_experts
@@ -106,7 +106,9 @@ def test_gradients_match_autograd(method, isa):
 @pytest.mark.parametrize("method", ["BF16", "AMXINT8", "AMXINT4", "GPTQ_INT4", "MXFP4", "NVFP4"])
 def test_isa_paths_agree_with_the_scalar_twin(method, isa):
     """The backward's transposed products decode the packed panels per ISA: every gradient agrees with
-    the scalar path's (the same bf16 weights; only sums and bf16 roundings of h may differ)."""
+    the scalar path's (the same bf16 weights; only sums and bf16 roundings of h may differ). On AMX the
+    bf16-input products of the integer methods also round each dequantized weight to bf16 (2^-9
+    relative, test_kernels' AMX twin bound per product): 0.0044-0.0048 on `out` after three products."""
     E, k, H, I, T = 6, 2, 192, 160, 19
     results = []
     for path in ("scalar", isa):
@@ -117,8 +119,9 @@ def test_isa_paths_agree_with_the_scalar_twin(method, isa):
         out, grad_in, grad_w = run_step(layer, make_hidden(T, H), ids, weights, make_hidden(T, H, seed=7))
         results.append((out.float(), grad_in, grad_w, *grads))
     names = ["out", "grad_in", "grad_weights", *[n for n, _, _ in LORA_TENSORS]]
+    bound = 6e-3 if isa in AMX_ISAS and method in ("AMXINT8", "AMXINT4") else 2e-3
     for name, a, b in zip(names, *results, strict=True):
-        assert relative_error(b, a) < 2e-3, (name, relative_error(b, a))
+        assert relative_error(b, a) < bound, (name, relative_error(b, a))
 
 
 # Odd shapes: hidden and intermediate not multiples of the blocks, many experts, top-8, skipped slots
