@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from kt_sglang import KTMoEWrapper
-from kt_sglang.engine.pools import physical_cores
+from kt_sglang.engine.pools import physical_cores, reserved_cores, serving_threads
 from kt_sglang.kernels import hot_moe, split_routing
 from kt_sglang.layer import DeferralChain, HybridMoELayer
 
@@ -68,14 +68,16 @@ def main() -> None:
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--out", type=Path)
     args = p.parse_args()
-    torch.set_num_threads(physical_cores())
+    # The serving rule (kt_sglang.engine.pools.reserved_cores): the engine leaves a quarter of the cores
+    # to the threads that launch, wait and run torch's own work (the hot part on the CPU device).
+    torch.set_num_threads(reserved_cores())
     gen = torch.Generator().manual_seed(0)
     sources = []
     for n in range(args.layers):
         gate = (torch.randn(E, I, H, generator=gen) / H**0.5).bfloat16()
         up = (torch.randn(E, I, H, generator=gen) / H**0.5).bfloat16()
         down = (torch.randn(E, H, I, generator=gen) / I**0.5).bfloat16()
-        experts = KTMoEWrapper(n, E, K, H, I, None, physical_cores(), 1, method=args.method)
+        experts = KTMoEWrapper(n, E, K, H, I, None, serving_threads(), 1, method=args.method)
         experts.load_weights_from_tensors(gate, up, down)
         sources.append((gate, up, down, experts))
     x = torch.randn(args.tokens, H, generator=gen).bfloat16().to(args.device)
@@ -104,6 +106,8 @@ def main() -> None:
         "method": args.method,
         "layers": args.layers,
         "tokens": args.tokens,
+        "engine_threads": serving_threads(),
+        "torch_threads": reserved_cores(),
         "rows": rows,
         "half_hot": {
             "hot_ms": hot_alone * 1e3,
@@ -113,7 +117,8 @@ def main() -> None:
         },
     }
     print(
-        f"{args.layers} layers, T={args.tokens}, {args.method}, {physical_cores()} cores, {result['device']}"
+        f"{args.layers} layers, T={args.tokens}, {args.method}, {physical_cores()} cores "
+        f"(engine {serving_threads()}, torch {reserved_cores()}), {result['device']}"
     )
     print("| hot | deferral | step ms | speedup vs deferral 0 |")
     print("|---|---|---|---|")

@@ -354,3 +354,28 @@ def test_converted_directory_brings_its_method(tmp_path):
     assert settings().method == "AMXINT8"
     with pytest.raises(KtSettingsError, match="holds AMXINT8 weights .*--kt-method is AMXINT4"):
         settings("--kt-method", "AMXINT4")
+
+
+def test_engine_threads_leave_room_for_the_serving_process(tmp_path, monkeypatch):
+    """Without --kt-cpuinfer the plugin takes the cores less a quarter (at least one); more than that
+    warns, naming the rule."""
+    from kt_sglang.engine import pools
+    from kt_sglang.sglang.settings import early_server_args, resolve, split_argv
+    from kt_sglang.tiny_model import write_tiny_moe
+
+    for cores, expected in [(2, 1), (4, 3), (16, 12), (64, 48)]:
+        monkeypatch.setattr(pools, "physical_cores", lambda cores=cores: cores)
+        assert pools.serving_threads() == expected
+    monkeypatch.undo()
+    model = write_tiny_moe(tmp_path / "m")
+
+    def settings(*flags: str):
+        argv = ["--model-path", str(model), "--kt-weight-path", str(model), "--kt-method", "BF16", *flags]
+        extra, rest = split_argv(argv)
+        return resolve(early_server_args(rest), extra, argv)
+
+    assert settings().cpuinfer == pools.serving_threads()
+    cores = pools.physical_cores()
+    if cores > pools.serving_threads():
+        with pytest.warns(UserWarning, match=f"--kt-cpuinfer {cores} leaves fewer than"):
+            settings("--kt-cpuinfer", str(cores))

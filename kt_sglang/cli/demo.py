@@ -69,12 +69,12 @@ def _run_demo(workdir: Path, method: str, gpu_experts: int, prompt: str, max_tok
     import torch
 
     from kt_sglang.cli.server import CPU_DEVICE_ARGS, ServerError, SGLangServer, free_port, server_command
-    from kt_sglang.engine.pools import physical_cores
+    from kt_sglang.engine.pools import serving_threads
     from kt_sglang.placement import PlacementStats, plan_hot_experts
     from kt_sglang.shakespeare.model import MODEL_DIR
 
     workdir.mkdir(parents=True, exist_ok=True)
-    threads = threads or physical_cores()
+    threads = threads or serving_threads()
     model = MODEL_DIR
     print(f"==> model: the Shakespeare MoE trained for this project ({model})")
     try:

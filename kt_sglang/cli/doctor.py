@@ -150,11 +150,11 @@ def run_doctor(model: str | None = None, method: str = "AMXINT4") -> int:
     for node in topo["nodes"]:
         gib = node["memory_bytes"] / 2**30
         print(f"  node {node['os_index']}: {len(node['cores'])} cores (cpus {node['cores']}), {gib:.1f} GiB")
-    from kt_sglang.engine.pools import suggested_threads
+    from kt_sglang.engine.pools import reserved_cores, serving_threads
 
     print(
-        f"  suggested: --kt-cpuinfer {suggested_threads()} --kt-threadpool-count {len(topo['nodes'])} "
-        "(one core per node of 4+ cores left to SGLang's scheduler)"
+        f"  suggested: --kt-cpuinfer {serving_threads()} --kt-threadpool-count {len(topo['nodes'])} "
+        f"({reserved_cores()} core(s) left to SGLang's scheduler, the CUDA callback and launching threads)"
     )
     total, available = _memory_bytes()
     print(f"RAM: {total / 2**30:.1f} GiB, {available / 2**30:.1f} GiB available")

@@ -30,7 +30,7 @@ def build_serve_command(model: str, user_args: list[str], method: str | None = N
     import torch
 
     from kt_sglang.cli.server import CPU_DEVICE_FLAGS
-    from kt_sglang.engine.pools import machine_nodes, suggested_threads
+    from kt_sglang.engine.pools import machine_nodes, serving_threads
     from kt_sglang.sglang.settings import flag_given
 
     chosen: list[str] = []
@@ -42,7 +42,7 @@ def build_serve_command(model: str, user_args: list[str], method: str | None = N
     default("--kt-weight-path", model)
     if method is not None or not _converted_weight_path(user_args):  # else the plugin reads its manifest
         default("--kt-method", method or "AMXINT4")
-    default("--kt-cpuinfer", suggested_threads())
+    default("--kt-cpuinfer", serving_threads())
     default("--kt-threadpool-count", len(machine_nodes()))
     if torch.cuda.is_available():
         free, _ = torch.cuda.mem_get_info()

@@ -29,10 +29,21 @@ def physical_cores() -> int:
     return sum(len(n["cores"]) for n in machine_nodes())
 
 
-def suggested_threads() -> int:
-    """Engine threads that leave one core per NUMA node to SGLang's scheduler and tokenizer (nodes
-    of 4 or more cores; smaller machines use every core)."""
-    return sum(len(n["cores"]) - (1 if len(n["cores"]) >= 4 else 0) for n in machine_nodes())
+def reserved_cores() -> int:
+    """Cores the engine leaves to the serving process's own threads: a quarter, at least one.
+
+    Those threads are the CUDA callback thread that starts the engine's stream-ordered tasks, the thread
+    that launches kernels and waits in `synchronize`, SGLang's scheduler and tokenizer, and on the CPU
+    device torch's threads (attention, hot experts). An engine on every core fights them for it: on an
+    H100 host with 16 cores the hybrid step ran 14-25x slower with 16 engine threads than with 12 (steps
+    on ~4 ms scheduler ticks), and on a 2-core host `kt-sglang demo` served 43.5-47.8 tokens/s with one
+    engine thread against 28.3-35.1 with two."""
+    return max(1, physical_cores() // 4)
+
+
+def serving_threads() -> int:
+    """The default engine threads when serving (the plugin, `serve`, `demo`, the hybrid benchmark)."""
+    return max(1, physical_cores() - reserved_cores())
 
 
 def check_thread_count(threads: object, name: str = "cpuinfer_threads") -> int:
