@@ -175,12 +175,15 @@ def test_reserved_bytes_fault():
         run("model", cfg, [])
 
 
-def test_counters_measure_a_kernels_structure():
-    """The modelled AMX INT8 kernel on 64 rows x 4 panels x K 256 (group 128): per group, per channel
-    pair, per 32-row block, 2 A loads and 4 dot products per K-tile; the B tiles load once per K-tile."""
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_counters_measure_a_kernels_structure(group):
+    """The modelled AMX INT8 kernel on 64 rows x 4 panels x K 256: per K-step (64 K-values, 32 in groups
+    of 32), per channel pair, per 32-row block, 2 A loads and 4 dot products; the pair's 2 B tiles
+    load once per group for every row block when a group is one K-step, else per K-step and block;
+    4 tile stores per group and block for the group's fp32 epilogue."""
     if "amx-emu" not in SUPPORTED_ISAS:
         pytest.skip("the modelled AMX kernels need AVX-512 with VNNI, BF16 and VBMI")
-    m, K, group, npanels = 64, 256, 128, 4
+    m, K, npanels = 64, 256, 4
     q = torch.randint(-127, 128, (m, K), dtype=torch.int8)
     scales = torch.ones(m, K // group)
     sums = torch.zeros(m, K // group)
@@ -190,11 +193,12 @@ def test_counters_measure_a_kernels_structure():
     _native.gemm("amx-emu", _native.Method.AMXINT8, True, m, K, group, q.data_ptr(), scales.data_ptr(),
                  sums.data_ptr(), packed.data_ptr(), npanels, c.data_ptr())  # fmt: skip
     counts = _native.amx_model_counters()
-    ktiles = K // 64
-    blocks, pairs = m // 32, npanels // 2
-    assert counts["dots"] == 4 * ktiles * blocks * pairs
-    a_loads, b_loads = 2 * ktiles * blocks * pairs, 2 * ktiles * blocks * pairs
-    assert counts["loads"] == a_loads + b_loads
+    k_step = min(group, 64)
+    steps, groups, blocks, pairs = K // k_step, K // group, m // 32, npanels // 2
+    assert counts["dots"] == 4 * steps * blocks * pairs
+    b_loads = 2 * groups * pairs if group <= 64 else 2 * steps * blocks * pairs
+    assert counts["loads"] == 2 * steps * blocks * pairs + b_loads
+    assert counts["stores"] == 4 * groups * blocks * pairs
     assert counts["macs"] == m * K * 16 * npanels
 
 

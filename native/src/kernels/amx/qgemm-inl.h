@@ -6,7 +6,8 @@
 // Loop order: channel pair (2 panels) > group > block of 32 rows. The pair's B tiles of a group are
 // loaded once and stay in tile registers for every row block; the pair's fp32 sums (m x 32) stay in
 // L1; int32 tiles go to one of two small buffers so the vector epilogue of one row block overlaps
-// the AMX work of the next. Small batches and groups of 32 go to AVX-512.
+// the AMX work of the next. Groups of 32 run tiles half as deep in K (one dot product per group);
+// small batches go to AVX-512.
 #pragma once
 
 #include <algorithm>
@@ -52,10 +53,11 @@ template <Method M>
 void gemm_quant(int m, int64_t K, int group, const QuantRows& a, const uint8_t* panels, int npanels, float* c,
                 int64_t ldc, GemmQ8Fn small) {
   static_assert(kIntegerMethod<M>, "the integer GEMM decodes AMXINT8 and AMXINT4 weights only");
-  if (m <= 4 || group % 64 != 0) return small(m, K, group, a, panels, npanels, c, ldc);
-  configure_tiles();
+  if (m <= 4 || group % 32 != 0) return small(m, K, group, a, panels, npanels, c, ldc);
+  const int k_bytes = std::min(group, 64);  // K-values per dot product
+  configure_tiles(k_bytes);
   const int64_t groups = K / group;
-  const int ktiles = group / 64;
+  const int ktiles = group / k_bytes;
   const int blocks = (m + kRowBlock - 1) / kRowBlock;
   const int64_t pbytes = panel_bytes(M, group, K);
   const int64_t gbytes = group_bytes(M, group), wbytes = group_weight_bytes(M, group);
@@ -134,7 +136,9 @@ void gemm_quant(int m, int64_t K, int group, const QuantRows& a, const uint8_t* 
         _tile_zero(2);
         _tile_zero(3);
         for (int t = 0; t < ktiles; ++t) {  // groups of 128: two K-tiles per group
-          const uint8_t* chunk = base[b] + (gi * ktiles + t) * kTiledChunkStride;
+          // K-value k0 of row 0: in 64-byte chunk k0 / 64 of the tiled layout, at byte k0 % 64.
+          const int64_t k0 = gi * group + t * k_bytes;
+          const uint8_t* chunk = base[b] + k0 / kChunkBytes * kTiledChunkStride + k0 % kChunkBytes;
           if (ktiles > 1) {
             _tile_loadd(6, staged[0] + t * 1024, 64);
             _tile_loadd(7, staged[1] + t * 1024, 64);

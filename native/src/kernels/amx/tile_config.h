@@ -32,13 +32,17 @@ struct alignas(64) TileConfig {
   uint8_t rows[16];
 };
 
-// Tiles 0-3 accumulate C, 4-5 hold A (rows of activations), 6-7 hold B (panels of weights).
-inline void configure_tiles() {
+// Tiles 0-3 accumulate C, 4-5 hold A (rows of activations), 6-7 hold B (panels of weights);
+// `k_bytes` bytes of K per dot product (64, or 32 for int8 groups of 32: A tiles of 32 bytes a row,
+// B tiles of 8 rows).
+inline void configure_tiles(int k_bytes = 64) {
   // Loading the configuration also zeroes the tiles; a few dozen cycles per kernel call.
   TileConfig cfg;
   std::memset(&cfg, 0, sizeof(cfg));
   cfg.palette_id = 1;
   for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  for (int t = 4; t < 6; ++t) cfg.colsb[t] = static_cast<uint16_t>(k_bytes);
+  for (int t = 6; t < 8; ++t) cfg.rows[t] = static_cast<uint8_t>(k_bytes / 4);
   _tile_loadconfig(&cfg);
 }
 
