@@ -133,7 +133,13 @@ void Runner::record_error(std::exception_ptr error) {
 }
 
 void Runner::worker_main(int tid, int pool, int rank) {
-  bind_current_thread(pools_[pool].cpus[rank]);
+  // Any core of the pool, not one core per worker: a worker whose core another thread takes (on a GPU
+  // host the CUDA callback thread, the Python thread spinning in synchronize) moves to a core whose
+  // worker waits at a barrier, instead of holding that barrier for a scheduler tick. Two cores with one
+  // busy process beside the engine (bench/bench_contention.py, Qwen3 AMXINT4 at T=1): the median call
+  // went from 7-8x to 1.7-1.9x the median alone, p90 from 7-9x to 1.9-2.4x (with the barrier's short
+  // spin, thread_pool.cpp).
+  bind_current_thread_to(pools_[pool].cpus);
   int total = 0;
   for (const auto& p : pools_) total += static_cast<int>(p.cpus.size());
   const WorkerContext me{tid, pool, rank, static_cast<int>(pools_[pool].cpus.size()), total, this};

@@ -65,9 +65,13 @@ const Topology& topology() {
 }
 
 bool bind_current_thread(int os_cpu) {
+  return bind_current_thread_to({os_cpu});
+}
+
+bool bind_current_thread_to(const std::vector<int>& os_cpus) {
   topology();
   hwloc_bitmap_t set = hwloc_bitmap_alloc();
-  hwloc_bitmap_only(set, static_cast<unsigned>(os_cpu));
+  for (int cpu : os_cpus) hwloc_bitmap_set(set, static_cast<unsigned>(cpu));
   const bool ok = hwloc_set_cpubind(g_topo, set, HWLOC_CPUBIND_THREAD) == 0;
   hwloc_bitmap_free(set);
   return ok;

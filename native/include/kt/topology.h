@@ -24,8 +24,9 @@ struct Topology {
 // Loaded once per process.
 const Topology& topology();
 
-// Pins the calling thread to one OS cpu; returns false when the OS refuses.
+// Binds the calling thread to one OS cpu, or to a set of them; returns false when the OS refuses.
 bool bind_current_thread(int os_cpu);
+bool bind_current_thread_to(const std::vector<int>& os_cpus);
 
 // Page-aligned memory bound to a NUMA node when the OS allows it, otherwise plain.
 void* alloc_on_node(size_t bytes, int node_os_index);
