@@ -1,0 +1,42 @@
+"""The CPU-reproducible benchmarks of the GPU path run end to end on the CPU (their figures live in
+docs/, not in tests): the hybrid step on the CPU device and the thread-contention model."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+
+
+def run_bench(script: str, tmp_path: Path, *args: str) -> dict:
+    out = tmp_path / "result.json"
+    r = subprocess.run(
+        [sys.executable, str(BENCH / script), *args, "--out", str(out)],
+        capture_output=True, text=True, timeout=900, cwd=tmp_path,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_hybrid_step_benchmark_on_the_cpu_device(tmp_path):
+    r = run_bench("bench_hybrid.py", tmp_path, "--device", "cpu", "--layers", "2", "--repeats", "2")
+    assert r["device"] == "cpu" and r["engine_threads"] >= 1
+    points = {(row["hot_fraction"], row["deferral"]) for row in r["rows"]}
+    assert points == {(h, d) for h in (0.0, 0.25, 0.5) for d in (0, 1, 2, 4)}
+    assert all(row["step_ms"] > 0 for row in r["rows"])
+    assert r["half_hot"]["hot_ms"] > 0 and r["half_hot"]["cpu_ms"] > 0
+
+
+@pytest.mark.slow
+def test_contention_benchmark(tmp_path):
+    r = run_bench("bench_contention.py", tmp_path, "--calls", "30", "--busy", "1")
+    for part in ("alone", "beside_busy"):
+        s = r[part]
+        assert 0 < s["median_ms"] <= s["p90_ms"] <= s["worst_ms"]
+    assert r["busy"] == 1 and r["threads"] >= 1
