@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 from conftest import make_hidden, make_routing
-from test_layer_hybrid import HOT_SETS, E, H, K, build_stack
+from test_layer_hybrid import HOT_SETS, E, H, K, assert_layers_match_reference, build_stack
 
 from kt_sglang import KTMoEWrapper
 from kt_sglang.engine.native import _native
@@ -49,16 +49,25 @@ def test_host_launch_uses_the_driver():
 
 @pytest.mark.parametrize("max_deferred", [0, 1, 3])
 @pytest.mark.parametrize("hot_name", sorted(HOT_SETS))
-def test_stack_on_a_side_stream_equals_cpu_device(hot_name, max_deferred):
-    cpu_layers, _ = build_stack(HOT_SETS[hot_name], max_deferred)
-    gpu_layers = to_cuda(build_stack(HOT_SETS[hot_name], max_deferred)[0])
+def test_stack_on_a_side_stream_matches_reference(hot_name, max_deferred):
+    """Three MoE layers on a non-default stream, each against the float32 MoE on its own input (the
+    CPU-device stack is no reference: torch's bf16 `linear` rounds the hot experts' gate/up and down
+    sums to bf16, the Triton kernels keep them in fp32; the stacks differed by 0.0108 all hot)."""
+    layers, full = build_stack(HOT_SETS[hot_name], max_deferred)
+    layers = to_cuda(layers)
     x, routes = step_inputs(21)
-    want = run_step(cpu_layers, x, routes)
+    h, cuda_routes = cuda_inputs(x, routes)
+    inputs, outputs = [], []
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
-        got = run_step(gpu_layers, *cuda_inputs(x, routes))
+        for layer, (ids, weights) in zip(layers, cuda_routes, strict=True):
+            inputs.append(h)
+            h = layer(h, ids, weights)
+            outputs.append(h)
     stream.synchronize()
-    assert relative_error(got.cpu(), want) <= 0.01
+    assert_layers_match_reference(
+        HOT_SETS[hot_name], max_deferred, full, [t.cpu() for t in inputs], [t.cpu() for t in outputs], routes
+    )
 
 
 def test_cuda_graph_of_a_step_with_deferral_replays_at_smaller_sizes():

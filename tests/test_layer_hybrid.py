@@ -83,6 +83,21 @@ HOT_SETS = {
 }
 
 
+def assert_layers_match_reference(hot_sets, max_deferred, full, inputs, outputs, routes):
+    """Each MoE layer's output against the float32 MoE on its own input: its hot and cold-now experts
+    plus the previous MoE layer's deferred experts (on that layer's input); the last defers nothing."""
+    prev_deferred = None
+    for n, (x_in, y, (ids, weights)) in enumerate(zip(inputs, outputs, routes, strict=True)):
+        last = n == len(outputs) - 1
+        parts = split_by_hand(ids, weights, hot_sets[n], 0 if last else max_deferred)
+        now = masked_ids(ids, parts["hot"] | parts["cold"])
+        expected = moe_reference(x_in, *full[n], now, weights)
+        if prev_deferred is not None:
+            expected += prev_deferred
+        prev_deferred = moe_reference(x_in, *full[n], masked_ids(ids, parts["deferred"]), weights)
+        assert relative_error(y, expected) <= 0.01, f"layer {n}: {relative_error(y, expected):.4f}"
+
+
 @pytest.mark.parametrize("max_deferred", [0, 1, 2, 3])
 @pytest.mark.parametrize("hot_name", sorted(HOT_SETS))
 def test_stack_with_dense_layer_matches_reference(hot_name, max_deferred):
@@ -100,16 +115,7 @@ def test_stack_with_dense_layer_matches_reference(hot_name, max_deferred):
         y = layer(x, ids, weights)
         outputs.append(y)
         x = (y.float() @ dense.T).bfloat16() if n == 0 else y  # a dense layer between moe0 and moe1
-    prev_deferred = None
-    for n, (x_in, y, (ids, weights)) in enumerate(zip(inputs, outputs, routes, strict=True)):
-        last = n == len(layers) - 1
-        parts = split_by_hand(ids, weights, hot_sets[n], 0 if last else max_deferred)
-        now = masked_ids(ids, parts["hot"] | parts["cold"])
-        expected = moe_reference(x_in, *full[n], now, weights)
-        if prev_deferred is not None:
-            expected += prev_deferred
-        prev_deferred = moe_reference(x_in, *full[n], masked_ids(ids, parts["deferred"]), weights)
-        assert relative_error(y, expected) <= 0.01, f"layer {n}"
+    assert_layers_match_reference(hot_sets, max_deferred, full, inputs, outputs, routes)
     if max_deferred == 0:  # no deferral: each layer is the plain MoE of its input
         ids, weights = routes[0]
         assert relative_error(outputs[0], moe_reference(inputs[0], *full[0], ids, weights)) <= 0.01
