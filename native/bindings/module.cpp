@@ -10,6 +10,7 @@
 #include <tuple>
 #include <utility>
 
+#include "kernels/amx/tile_model.h"
 #include "kt/aligned_vector.h"
 #include "kt/cpu_features.h"
 #include "kt/cuda_host.h"
@@ -22,7 +23,6 @@
 #include "kt/runner.h"
 #include "kt/stream_forward.h"
 #include "kt/topology.h"
-#include "kernels/amx/tile_model.h"
 
 namespace py = pybind11;
 using namespace kt;
@@ -120,8 +120,8 @@ PYBIND11_MODULE(_native, m) {
       [](const std::string& backend, uintptr_t config, const std::vector<py::tuple>& program) {
         using Op = amx_model::TileOp;
         static const std::pair<const char*, Op::Kind> kinds[] = {
-            {"load", Op::kLoad},     {"store", Op::kStore},   {"zero", Op::kZero},
-            {"dpbssd", Op::kDpbssd}, {"dpbsud", Op::kDpbsud}, {"dpbusd", Op::kDpbusd},
+            {"load", Op::kLoad},     {"store", Op::kStore},      {"zero", Op::kZero},
+            {"dpbssd", Op::kDpbssd}, {"dpbsud", Op::kDpbsud},    {"dpbusd", Op::kDpbusd},
             {"dpbuud", Op::kDpbuud}, {"dpbf16ps", Op::kDpbf16ps}};
         std::vector<Op> ops;
         for (const py::tuple& t : program) {
@@ -148,8 +148,9 @@ PYBIND11_MODULE(_native, m) {
   m.def("amx_model_counters", [] {
     const amx_model::Counters c = amx_model::counters();
     return py::dict(py::arg("configs") = c.configs, py::arg("loads") = c.loads, py::arg("stores") = c.stores,
-                    py::arg("zeros") = c.zeros, py::arg("dots") = c.dots, py::arg("load_bytes") = c.load_bytes,
-                    py::arg("store_bytes") = c.store_bytes, py::arg("macs") = c.macs);
+                    py::arg("zeros") = c.zeros, py::arg("dots") = c.dots,
+                    py::arg("load_bytes") = c.load_bytes, py::arg("store_bytes") = c.store_bytes,
+                    py::arg("macs") = c.macs);
   });
   m.def("amx_model_reset_counters", &amx_model::reset_counters);
   m.def("isa_paths", [] {

@@ -55,8 +55,10 @@ void check_dot(const char* instruction, int dst, int a, int b) {
   if (dst == a || dst == b || a == b) fault(instruction, "its three tile operands must differ");
   const int m = state.rows[dst], n = state.colsb[dst], k = state.colsb[a];
   std::string why;
-  if (n % 4 || k % 4 || state.colsb[b] % 4) why = "a tile's bytes per row are not a multiple of 4";
-  else if (state.rows[a] != m) why = "dst has " + std::to_string(m) + " rows, a " + std::to_string(state.rows[a]);
+  if (n % 4 || k % 4 || state.colsb[b] % 4)
+    why = "a tile's bytes per row are not a multiple of 4";
+  else if (state.rows[a] != m)
+    why = "dst has " + std::to_string(m) + " rows, a " + std::to_string(state.rows[a]);
   else if (k / 4 != state.rows[b])
     why = "a has " + std::to_string(k / 4) + " dwords per row, b " + std::to_string(state.rows[b]) + " rows";
   else if (state.colsb[b] != n)
@@ -79,8 +81,8 @@ float ftz(float v) {
 }  // namespace
 
 Counters counters() {
-  return {totals.configs, totals.loads, totals.stores, totals.zeros, totals.dots, totals.load_bytes,
-          totals.store_bytes, totals.macs};
+  return {totals.configs, totals.loads,      totals.stores,      totals.zeros,
+          totals.dots,    totals.load_bytes, totals.store_bytes, totals.macs};
 }
 
 void reset_counters() {
@@ -110,7 +112,8 @@ void ldtilecfg(const void* config) {
       continue;
     }
     if (rows > kMaxRows) fault("LDTILECFG", tile + " has " + std::to_string(rows) + " rows (at most 16)");
-    if (colsb > kMaxColsb) fault("LDTILECFG", tile + " has " + std::to_string(colsb) + " bytes a row (at most 64)");
+    if (colsb > kMaxColsb)
+      fault("LDTILECFG", tile + " has " + std::to_string(colsb) + " bytes a row (at most 64)");
     if ((rows == 0) != (colsb == 0)) fault("LDTILECFG", tile + " has only one of rows and bytes per row set");
     next.rows[t] = rows, next.colsb[t] = colsb;
   }
@@ -152,7 +155,9 @@ void tilezero(int t) {
 void tdpb_int8(int dst, int a, int b, bool a_signed, bool b_signed) {
   check_dot("TDPB[SU][SU]D", dst, a, b);
   const int m = state.rows[dst], n = state.colsb[dst] / 4, k = state.colsb[a] / 4;
-  auto byte = [](uint8_t v, bool is_signed) { return is_signed ? int32_t{static_cast<int8_t>(v)} : int32_t{v}; };
+  auto byte = [](uint8_t v, bool is_signed) {
+    return is_signed ? int32_t{static_cast<int8_t>(v)} : int32_t{v};
+  };
   for (int i = 0; i < m; ++i)
     for (int j = 0; j < n; ++j) {
       uint32_t acc;  // int32 sums wrap: unsigned arithmetic, as the hardware's adder
@@ -183,7 +188,8 @@ void tdpbf16ps(int dst, int a, int b) {
       for (int kk = 0; kk < k; ++kk)
         for (int e = 0; e < 2; ++e) {
           // The product of two bf16 values is exact in fp32, so one fused step rounds each sum once.
-          acc = ftz(std::fma(bf16(&state.data[a][i][4 * kk + 2 * e]), bf16(&state.data[b][kk][4 * j + 2 * e]), acc));
+          acc = ftz(std::fma(bf16(&state.data[a][i][4 * kk + 2 * e]), bf16(&state.data[b][kk][4 * j + 2 * e]),
+                             acc));
         }
       std::memcpy(&state.data[dst][i][4 * j], &acc, 4);
     }

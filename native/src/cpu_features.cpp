@@ -2,11 +2,11 @@
 #include "kt/cpu_features.h"
 
 #include <cpuid.h>
-#include <cstdint>
 #include <sys/syscall.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdint>
 #include <cstring>
 
 namespace kt {

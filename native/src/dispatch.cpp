@@ -52,8 +52,9 @@ KernelTable make_table(Isa isa) {
 }  // namespace
 
 const KernelTable& kernel_table(Isa isa) {
-  static const KernelTable tables[] = {make_table(Isa::kScalar), make_table(Isa::kAvx2), make_table(Isa::kAvx512),
-                                       make_table(Isa::kAmx), make_table(Isa::kAmxEmu)};
+  static const KernelTable tables[] = {make_table(Isa::kScalar), make_table(Isa::kAvx2),
+                                       make_table(Isa::kAvx512), make_table(Isa::kAmx),
+                                       make_table(Isa::kAmxEmu)};
   if (!isa_supported(isa))
     throw std::invalid_argument(std::string("this CPU cannot run the '") + isa_name(isa) + "' kernels");
   return tables[static_cast<int>(isa)];

@@ -18,13 +18,13 @@
 //   5. per token: grad_in = sum over its rows of dx; grad_weights per slot
 #include "kt/lora.h"
 
-#include <cstdint>
 #include <immintrin.h>
 
 #include <algorithm>
 #include <array>
 #include <atomic>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <stdexcept>
 #include <string>

@@ -1,11 +1,11 @@
 #include "kt/moe_layer.h"
 
-#include <cstdint>
 #include <immintrin.h>
 #include <sched.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <stdexcept>
 #include <string>

@@ -1,11 +1,11 @@
 #include "kt/runner.h"
 
-#include <cstdint>
 #include <immintrin.h>
 #include <sched.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <cstdlib>
 #include <stdexcept>
 #include <utility>

@@ -1,7 +1,8 @@
 // Barriers and the per-worker context of the runner's pools.
-#include <cstdint>
 #include <immintrin.h>
 #include <sched.h>
+
+#include <cstdint>
 
 #include "kt/runner.h"
 

@@ -119,12 +119,14 @@ void gemm_quant_a16(int m, int64_t K, int group, const Bf16Rows& a, const uint8_
   if (m <= 4) return small(m, K, group, a, panels, npanels, c, ldc);
   const int64_t pbytes = panel_bytes(M, group, K);
   const int64_t bf16_panel_bytes = panel_bytes(Method::kBf16, kKAlign, K);
-  const int run = static_cast<int>(std::clamp<int64_t>(kDequantRunBytes / bf16_panel_bytes / 2 * 2, 2, npanels));
+  const int run =
+      static_cast<int>(std::clamp<int64_t>(kDequantRunBytes / bf16_panel_bytes / 2 * 2, 2, npanels));
   struct Scratch {
     AlignedVector<uint8_t> dequantized;
   };
   auto& [dequantized] = *thread_scratch<Scratch>();
-  if (dequantized.size() < static_cast<size_t>(run * bf16_panel_bytes)) dequantized.resize(run * bf16_panel_bytes);
+  if (dequantized.size() < static_cast<size_t>(run * bf16_panel_bytes))
+    dequantized.resize(run * bf16_panel_bytes);
   for (int p0 = 0; p0 < npanels; p0 += run) {
     const int n = std::min(run, npanels - p0);
     for (int p = 0; p < n; ++p)

@@ -13,33 +13,33 @@ namespace kt::kernels::amx {
 namespace {
 
 // Tile numbers must be literals in the intrinsics: one case per tile.
-#define KT_EACH_TILE(op, t, ...) \
-  switch (t) {                   \
-    case 0:                      \
-      op(0, __VA_ARGS__);        \
-      break;                     \
-    case 1:                      \
-      op(1, __VA_ARGS__);        \
-      break;                     \
-    case 2:                      \
-      op(2, __VA_ARGS__);        \
-      break;                     \
-    case 3:                      \
-      op(3, __VA_ARGS__);        \
-      break;                     \
-    case 4:                      \
-      op(4, __VA_ARGS__);        \
-      break;                     \
-    case 5:                      \
-      op(5, __VA_ARGS__);        \
-      break;                     \
-    case 6:                      \
-      op(6, __VA_ARGS__);        \
-      break;                     \
-    case 7:                      \
-      op(7, __VA_ARGS__);        \
-      break;                     \
-    default:                     \
+#define KT_EACH_TILE(op, t, ...)                              \
+  switch (t) {                                                \
+    case 0:                                                   \
+      op(0, __VA_ARGS__);                                     \
+      break;                                                  \
+    case 1:                                                   \
+      op(1, __VA_ARGS__);                                     \
+      break;                                                  \
+    case 2:                                                   \
+      op(2, __VA_ARGS__);                                     \
+      break;                                                  \
+    case 3:                                                   \
+      op(3, __VA_ARGS__);                                     \
+      break;                                                  \
+    case 4:                                                   \
+      op(4, __VA_ARGS__);                                     \
+      break;                                                  \
+    case 5:                                                   \
+      op(5, __VA_ARGS__);                                     \
+      break;                                                  \
+    case 6:                                                   \
+      op(6, __VA_ARGS__);                                     \
+      break;                                                  \
+    case 7:                                                   \
+      op(7, __VA_ARGS__);                                     \
+      break;                                                  \
+    default:                                                  \
       throw std::invalid_argument("tile numbers are 0 to 7"); \
   }
 #define KT_ZERO(t, unused) _tile_zero(t)

@@ -9,8 +9,9 @@
 //   W.scale(w, h)                  the group's scales of channels 8h..8h+7 (kGroup > 0 only)
 #pragma once
 
-#include <cstdint>
 #include <immintrin.h>
+
+#include <cstdint>
 
 #include "../activations.h"
 #include "../tiles.h"

@@ -9,10 +9,10 @@
 // vpmaddwd by ones widens to int32. The fp32 sums live in C (read and written once per group).
 #pragma once
 
-#include <cstdint>
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <utility>
 
 #include "../activations.h"

@@ -4,9 +4,9 @@
 // weights are widened to 16 bits by a mask or a shift, once per tile for all of its rows.
 #pragma once
 
-#include <cstdint>
 #include <immintrin.h>
 
+#include <cstdint>
 #include <vector>
 
 #include "../activations.h"

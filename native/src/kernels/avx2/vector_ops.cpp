@@ -1,10 +1,10 @@
 // Element-wise steps around the GEMMs, 8 lanes at a time; the last partial vector goes through a
 // padded copy so every element takes the same arithmetic.
-#include <cstdint>
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 
 #include "kt/float_types.h"
 #include "kt/kernels.h"

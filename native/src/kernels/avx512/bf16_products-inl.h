@@ -10,8 +10,9 @@
 // K-chunk of a few panels into a buffer first (decoded_tiles-inl.h).
 #pragma once
 
-#include <cstdint>
 #include <immintrin.h>
+
+#include <cstdint>
 
 #include "../activations.h"
 #include "kt/kernels.h"

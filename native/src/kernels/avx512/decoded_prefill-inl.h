@@ -9,10 +9,10 @@
 //   each group's sums by its scale, as FP8's do (decoded_tiles-inl.h).
 #pragma once
 
-#include <cstdint>
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cstdint>
 
 #include "../tiles.h"
 #include "decoded_tiles-inl.h"

@@ -5,10 +5,10 @@
 // call however many rows it has.
 #pragma once
 
-#include <cstdint>
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cstdint>
 
 #include "../activations.h"
 #include "../tiles.h"

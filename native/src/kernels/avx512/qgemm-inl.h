@@ -3,9 +3,9 @@
 // panel; prefill: tiles of rows x panels (row_blocks-inl.h).
 #pragma once
 
-#include <cstdint>
 #include <immintrin.h>
 
+#include <cstdint>
 #include <utility>
 
 #include "../activations.h"

@@ -9,10 +9,10 @@
 // sa * ws * D + scaled_sum * wm, D = sum(q16 * u).
 #pragma once
 
-#include <cstdint>
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <vector>
 
 #include "../activations.h"

@@ -1,7 +1,8 @@
 // Element-wise steps around the GEMMs, 16 lanes at a time (AVX-512F only: a CPU of this family may
 // lack AVX-512 BF16, so bf16 rounding is done on the integers).
-#include <cstdint>
 #include <immintrin.h>
+
+#include <cstdint>
 
 #include "kt/kernels.h"
 

@@ -1,7 +1,8 @@
 // AVX2 + FMA fallback for BF16: the bf16 products skeleton (../../kernels/avx2/bf16_products-inl.h)
 // with the stored rows widened to fp32 by a shift and a mask.
-#include <cstdint>
 #include <immintrin.h>
+
+#include <cstdint>
 
 #include "../../kernels/avx2/bf16_products-inl.h"
 #include "kt/quant_types.h"

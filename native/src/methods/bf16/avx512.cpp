@@ -1,9 +1,9 @@
 // AVX-512 BF16: vdpbf16ps on the VNNI-paired panel rows. Decode: up to 4 rows of A per pass (the
 // bf16 products skeleton, bf16_products-inl.h); prefill: tiles of rows x panels.
-#include <cstdint>
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cstdint>
 
 #include "../../kernels/activations.h"
 #include "../../kernels/avx512/bf16_products-inl.h"

@@ -1,8 +1,8 @@
 // AVX2 + FMA FP8: the bf16 products skeleton (../../kernels/avx2/bf16_products-inl.h) with e4m3
 // widened to fp16 by a shift and a mask, then to fp32 by F16C, each group's sums times its scales.
-#include <cstdint>
 #include <immintrin.h>
 
+#include <cstdint>
 #include <stdexcept>
 
 #include "../../kernels/avx2/bf16_products-inl.h"

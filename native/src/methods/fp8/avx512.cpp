@@ -5,10 +5,10 @@
 // once per K-chunk into a bf16 buffer that every row tile then reads (decoded_tiles-inl.h).
 // VBMI (vpermi2b) is asked for here only: the registry gives this kernel to CPUs that have it.
 #pragma GCC target("avx512vbmi")
-#include <cstdint>
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <stdexcept>
 
 #include "../../kernels/activations.h"
