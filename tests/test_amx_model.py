@@ -12,7 +12,12 @@ from conftest import SUPPORTED_ISAS
 
 from kt_sglang.engine.native import _native
 
-INT8_DOTS = {"dpbssd": (True, True), "dpbsud": (True, False), "dpbusd": (False, True), "dpbuud": (False, False)}
+INT8_DOTS = {
+    "dpbssd": (True, True),
+    "dpbsud": (True, False),
+    "dpbusd": (False, True),
+    "dpbuud": (False, False),
+}
 # (rows of dst and a, bytes per row of a = 4 * rows of b, bytes per row of dst and b)
 SHAPES = [(16, 64, 64), (3, 12, 20), (9, 64, 16), (1, 4, 4), (16, 28, 64)]
 
@@ -81,7 +86,9 @@ def reference_bf16(m, ka, n, c, a, b):
 
 
 def random_bytes(rows: int, seed: int) -> torch.Tensor:
-    return torch.randint(-128, 128, (rows, 64), dtype=torch.int8, generator=torch.Generator().manual_seed(seed))
+    return torch.randint(
+        -128, 128, (rows, 64), dtype=torch.int8, generator=torch.Generator().manual_seed(seed)
+    )
 
 
 def random_bf16_rows(rows: int, seed: int, denormals: bool = False) -> torch.Tensor:
@@ -187,7 +194,9 @@ def test_counters_measure_a_kernels_structure(group):
     q = torch.randint(-127, 128, (m, K), dtype=torch.int8)
     scales = torch.ones(m, K // group)
     sums = torch.zeros(m, K // group)
-    packed = torch.zeros(_native.packed_bytes(_native.Method.AMXINT8, group, 16 * npanels, K), dtype=torch.uint8)
+    packed = torch.zeros(
+        _native.packed_bytes(_native.Method.AMXINT8, group, 16 * npanels, K), dtype=torch.uint8
+    )
     c = torch.empty(m, 16 * npanels)
     _native.amx_model_reset_counters()
     _native.gemm("amx-emu", _native.Method.AMXINT8, True, m, K, group, q.data_ptr(), scales.data_ptr(),
@@ -262,7 +271,13 @@ def test_denormals_on_the_tile_unit_as_in_the_model():
             c[0, 0] = c_value
             c = c.view(torch.int8).reshape(16, 64).clone()
             cfg, prog = dot_program(
-                "dpbf16ps", 16, 64, 64, c, a.view(torch.int8).reshape(16, 64), b.view(torch.int8).reshape(16, 64)
+                "dpbf16ps",
+                16,
+                64,
+                64,
+                c,
+                a.view(torch.int8).reshape(16, 64),
+                b.view(torch.int8).reshape(16, 64),
             )
             run(backend, cfg, prog)
             out.append(c.view(torch.float32)[0, 0].item())

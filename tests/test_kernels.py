@@ -17,7 +17,17 @@ from kt_sglang.engine.reference import relative_error
 # (the checkpoint formats' decoded tiles past 16 rows: a tile of 4 panels and one of 1, several
 # K-chunks), K past FP8's 512-value decode chunks; a K long enough that AMX dequantizes the panels
 # of its bf16-input integer kernels in several runs (2, 2 and 1 at 128 groups).
-SIZES = [(1, 1, 2), (3, 5, 1), (5, 3, 3), (8, 2, 2), (13, 7, 1), (37, 3, 2), (9, 2, 5), (20, 5, 9), (33, 5, 128)]
+SIZES = [
+    (1, 1, 2),
+    (3, 5, 1),
+    (5, 3, 3),
+    (8, 2, 2),
+    (13, 7, 1),
+    (37, 3, 2),
+    (9, 2, 5),
+    (20, 5, 9),
+    (33, 5, 128),
+]
 
 # A kernel against its scalar twin: the same products summed in another order, and the bf16-input
 # kernels of the integer methods requantize their inputs to int16 inside the call (~2e-5). AMX

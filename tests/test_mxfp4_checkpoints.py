@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from kt_sglang import KTMoEWrapper
 from kt_sglang.engine import Glu
+from kt_sglang.engine.activation import SILU
 from kt_sglang.engine.reference import moe_reference, relative_error
 from kt_sglang.weights import CheckpointError
 from kt_sglang.weights.checkpoint import open_checkpoint
@@ -147,9 +148,16 @@ def test_gpt_oss_quantized_again_and_refused_by_convert_cpu(tmp_path):
     x = make_hidden(16, H)
     ids, wts = make_routing(16, E, TOP_K)
     assert relative_error(layer.forward(x, ids, wts), _transformers_gpt_oss(values, x, ids, wts)) <= 0.02
+    # Without an activation the layer takes the checkpoint's; a conflicting one is refused.
     plain = KTMoEWrapper(0, E, TOP_K, H, I, None, 2, 1, weight_path=str(ckpt.path), method="MXFP4")
-    with pytest.raises(CheckpointError, match="gpt_oss experts use the activation"):
-        plain.load_weights()
+    assert plain.activation == ckpt.activation()
+    plain.load_weights()
+    assert relative_error(plain.forward(x, ids, wts), _transformers_gpt_oss(values, x, ids, wts)) <= 0.01
+    silu = KTMoEWrapper(
+        0, E, TOP_K, H, I, None, 2, 1, weight_path=str(ckpt.path), method="MXFP4", activation=SILU
+    )  # fmt: skip
+    with pytest.raises(CheckpointError, match="gpt_oss experts use the activation .* conflicts with"):
+        silu.load_weights()
     args = ["--input-path", str(ckpt.path), "--output", str(tmp_path / "out"), "--quant-method", "MXFP4"]
     assert convert_main(args) == 2
 

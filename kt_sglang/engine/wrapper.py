@@ -104,7 +104,7 @@ class KTMoEWrapper:
         numa_nodes: list[int] | None = None,
         group_size: int | None = None,
         isa: str | None = None,
-        activation: Glu = SILU,
+        activation: Glu | None = None,
         mode: str = "inference",
         expert_lora_path: str | None = None,
     ) -> None:
@@ -142,6 +142,8 @@ class KTMoEWrapper:
             group_size = _recorded_group(weight_path, self.method)
         self.group_size = resolve_group(self.method, group_size)
         self.isa = selected_isa(isa)
+        if activation is None:  # the checkpoint's, as load_weights will read it; else plain SiLU
+            activation = _checkpoint_activation(weight_path) if weight_path is not None else SILU
         self.gpu_experts_mask = self._check_mask(gpu_experts_mask)
         self.layout = plan_pools(cpuinfer_threads, threadpool_count, numa_nodes)
         self._runner, workspace = SharedRunner.get(self.layout)
@@ -287,8 +289,8 @@ class KTMoEWrapper:
         ``kt-sglang convert-cpu``, or the Hugging Face checkpoint itself (bf16 / fp16 / fp32, FP8,
         INT4, MXFP4), quantized to ``method`` on load, or taken as it is by the method that reads its
         format (``METHODS[m].checkpoint_format``: FP8, RAWINT4, GPTQ_INT4, MXFP4). The layer's
-        ``activation`` must be the checkpoint's (``open_checkpoint(path).activation()``); expert biases
-        (gpt-oss) are loaded with the weights.
+        The layer's ``activation`` is the checkpoint's unless the constructor was given another, which
+        is refused here; expert biases (gpt-oss) are loaded with the weights.
 
         Slot e takes checkpoint expert ``physical_to_logical_map[e]`` (identity by default); only the
         experts named are read.
@@ -325,8 +327,9 @@ class KTMoEWrapper:
         spec = ckpt.spec
         if ckpt.activation() != self.activation:
             raise CheckpointError(
-                f"{ckpt.path}: {ckpt.family.family} experts use the activation {ckpt.activation()}; this "
-                f"layer was built with {self.activation} (pass activation=open_checkpoint(path).activation())"
+                f"{ckpt.path}: {ckpt.family.family} experts use the activation {ckpt.activation()}, which "
+                f"conflicts with activation={self.activation} given to the layer (leave it out to take the "
+                "checkpoint's)"
             )
         mapped = physical_to_logical_map is not None
         self._check_model(
@@ -686,6 +689,22 @@ class KTMoEWrapper:
             f"{self.moe_intermediate_size}, method={self.method.value}, group={self.group_size}, "
             f"isa={self.isa}, threads={self.layout.threads}, pools={self.layout.pools})"
         )
+
+
+def _checkpoint_activation(weight_path: str) -> Glu:
+    """The activation a Hugging Face checkpoint's experts use (plain SiLU for a converted directory,
+    which records none, or a path load_weights will report on)."""
+    from pathlib import Path
+
+    from kt_sglang.weights.canonical_files import is_canonical_dir
+    from kt_sglang.weights.checkpoint import CheckpointError, open_checkpoint
+
+    if is_canonical_dir(weight_path) or not (Path(weight_path) / "config.json").is_file():
+        return SILU
+    try:
+        return open_checkpoint(weight_path).activation()
+    except (CheckpointError, OSError, ValueError):
+        return SILU  # load_weights names the problem
 
 
 def _recorded_group(weight_path: str, method) -> int | None:
