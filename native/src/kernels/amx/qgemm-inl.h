@@ -68,7 +68,14 @@ void gemm_quant(int m, int64_t K, int group, const QuantRows& a, const uint8_t* 
     alignas(64) int32_t dots[2][32][32];
     alignas(64) uint8_t staged[2][128 * 16];
   };
-  auto& [stage, base, acc, dots, staged] = *thread_scratch<Scratch>();
+  // Plain references, not a structured binding: the lambdas below capture them (clang before 16,
+  // include-what-you-use's, cannot capture a binding).
+  Scratch& scratch = *thread_scratch<Scratch>();
+  auto& stage = scratch.stage;
+  auto& base = scratch.base;
+  auto& acc = scratch.acc;
+  auto& dots = scratch.dots;
+  auto& staged = scratch.staged;
   if (stage.size() < static_cast<size_t>(blocks * kRowBlock * K)) stage.resize(blocks * kRowBlock * K);
   if (acc.size() < static_cast<size_t>(blocks * kRowBlock * 32)) acc.resize(blocks * kRowBlock * 32);
   base.resize(blocks);

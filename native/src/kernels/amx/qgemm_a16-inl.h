@@ -124,7 +124,7 @@ void gemm_quant_a16(int m, int64_t K, int group, const Bf16Rows& a, const uint8_
   struct Scratch {
     AlignedVector<uint8_t> dequantized;
   };
-  auto& [dequantized] = *thread_scratch<Scratch>();
+  auto& dequantized = thread_scratch<Scratch>()->dequantized;
   if (dequantized.size() < static_cast<size_t>(run * bf16_panel_bytes))
     dequantized.resize(run * bf16_panel_bytes);
   for (int p0 = 0; p0 < npanels; p0 += run) {
