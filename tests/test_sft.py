@@ -160,7 +160,9 @@ def test_odd_shapes_and_masked_experts(method, isa, E, k, H, I, T):
 
 @pytest.mark.parametrize("method", ["BF16", "AMXINT4", "NVFP4"])
 def test_pools_and_threads_agree(method):
-    """Two pools split the intermediate channels: the adapters' terms are added once."""
+    """Two pools split the intermediate channels: the adapters' terms are added once (added twice they
+    would move the result by ~1e-1). The split sums the down projection in another grouping: 1.7e-5 on
+    AMX tiles (the tile unit's bf16 sums are not rounded per product), under 1e-5 elsewhere."""
     E, k, H, I, T = 8, 2, 128, 192, 21
     results = []
     for threads, pools, nodes in ((1, 1, None), (2, 2, [0, 0])):
@@ -171,7 +173,7 @@ def test_pools_and_threads_agree(method):
         out, grad_in, grad_w = run_step(layer, make_hidden(T, H), ids, weights, make_hidden(T, H, seed=7))
         results.append((out.float(), grad_in, grad_w, *grads))
     for a, b in zip(*results, strict=True):
-        assert relative_error(a, b) < 1e-5
+        assert relative_error(a, b) < 1e-4
 
 
 def test_bf16_adapters():
