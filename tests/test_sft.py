@@ -161,8 +161,9 @@ def test_odd_shapes_and_masked_experts(method, isa, E, k, H, I, T):
 @pytest.mark.parametrize("method", ["BF16", "AMXINT4", "NVFP4"])
 def test_pools_and_threads_agree(method):
     """Two pools split the intermediate channels: the adapters' terms are added once (added twice they
-    would move the result by ~1e-1). The split sums the down projection in another grouping: 1.7e-5 on
-    AMX tiles (the tile unit's bf16 sums are not rounded per product), under 1e-5 elsewhere."""
+    would move the result by their whole share). The split sums the down projection in another
+    grouping: 1.7e-5 on Emerald Rapids' tile unit (its bf16 sums are not rounded per product as the
+    SDM writes), under 1e-5 on the other paths and the tile model."""
     E, k, H, I, T = 8, 2, 128, 192, 21
     results = []
     for threads, pools, nodes in ((1, 1, None), (2, 2, [0, 0])):
