@@ -71,9 +71,12 @@ Isa selected_isa() {
   const char* env = std::getenv("KT_SGLANG_ISA");
   if (!env || !*env) return best_isa();
   const auto isa = parse_isa(env);
-  if (!isa)
-    throw std::invalid_argument(std::string("KT_SGLANG_ISA='") + env +
-                                "' is not an ISA path: use scalar, avx2, avx512, amx or amx-emu");
+  if (!isa) {
+    std::string names;
+    for (Isa known : kAllIsas) names += (names.empty() ? "" : ", ") + std::string(isa_name(known));
+    throw std::invalid_argument(std::string("KT_SGLANG_ISA='") + env + "' is not an ISA path: use one of " +
+                                names);
+  }
   if (!isa_supported(*isa))
     throw std::invalid_argument(std::string("KT_SGLANG_ISA='") + env +
                                 "' asks for a path this CPU cannot run (best here: " + isa_name(best_isa()) +
