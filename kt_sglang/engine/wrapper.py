@@ -289,8 +289,8 @@ class KTMoEWrapper:
         ``kt-sglang convert-cpu``, or the Hugging Face checkpoint itself (bf16 / fp16 / fp32, FP8,
         INT4, MXFP4), quantized to ``method`` on load, or taken as it is by the method that reads its
         format (``METHODS[m].checkpoint_format``: FP8, RAWINT4, GPTQ_INT4, MXFP4). The layer's
-        The layer's ``activation`` is the checkpoint's unless the constructor was given another, which
-        is refused here; expert biases (gpt-oss) are loaded with the weights.
+        ``activation`` is the checkpoint's unless the constructor was given another, which is refused
+        here; expert biases (gpt-oss) are loaded with the weights.
 
         Slot e takes checkpoint expert ``physical_to_logical_map[e]`` (identity by default); only the
         experts named are read.

@@ -62,18 +62,6 @@ def runner_activation(moe_runner_config) -> Glu:
     )
 
 
-def checkpoint_activation(weight_path: str) -> Glu:
-    """The activation a Hugging Face checkpoint's experts use (SiLU for a converted directory, whose
-    families have no other: convert-cpu refuses the rest)."""
-    from pathlib import Path
-
-    from kt_sglang.weights.checkpoint import open_checkpoint
-
-    if not (Path(weight_path) / "config.json").is_file():
-        return SILU
-    return open_checkpoint(weight_path).activation()
-
-
 def hot_experts_of_layer(settings: KtSettings, layer_idx: int, num_experts: int) -> list[int]:
     from sglang.srt.runtime_context import get_server_args
 
@@ -192,7 +180,6 @@ class KTEPWrapperMethod(FusedMoEMethodBase):
                 max_deferred_experts_per_token=self.max_deferred,
                 method=s.method,
                 numa_nodes=s.numa_nodes,
-                activation=checkpoint_activation(s.weight_path),
                 expert_lora_path=s.expert_lora_path,
             )
         if self.settings.record_placement_stats and self.tp_rank == 0:
