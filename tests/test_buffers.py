@@ -138,3 +138,32 @@ def test_cuda_host_launch_matches_the_machine():
     assert _native.cuda_host_launch_available() == has_driver, _native.cuda_host_launch_status()
     if not has_driver:
         assert "no CUDA driver" in _native.cuda_host_launch_status()
+
+
+@pytest.mark.parametrize("method", ["BF16", "AMXINT4"])
+def test_fp32_output_is_the_sum_the_bf16_output_rounds(method):
+    """output_dtype fp32: the same sums before their one rounding, on the host path and through the
+    buffers, with two pools (whose partial sums the combine adds) and a captured size."""
+    E, k, H, I = 8, 3, 256, 192
+    gate, up, down = make_weights(E, I, H, seed=5)
+    layer = KTMoEWrapper(0, E, k, H, I, None, 2, 2, method=method, numa_nodes=[0, 0])
+    layer.load_weights_from_tensors(gate.bfloat16(), up.bfloat16(), down.bfloat16())
+    hidden = make_hidden(6, H)
+    ids, weights = make_routing(6, E, k, seed=6, skip_fraction=0.1)
+    rounded = layer.forward(hidden, ids, weights)
+    KTMoEWrapper.set_capture_batch_sizes([8])
+    try:
+        layer.output_dtype = torch.float32
+        assert layer._sets[False].by_size[8].out.dtype == torch.float32
+        exact = layer.forward(hidden, ids, weights)
+        layer.submit_forward(hidden, ids, weights)
+        staged = layer.sync_forward(hidden)
+    finally:
+        KTMoEWrapper.set_capture_batch_sizes([])
+        KTMoEWrapper.clear_buffer_cache()
+    assert exact.dtype == staged.dtype == torch.float32
+    assert torch.equal(staged, exact)
+    assert torch.equal(exact.bfloat16(), rounded)
+    assert not torch.equal(exact, rounded.float())  # the fp32 sums carry bits bf16 drops
+    with pytest.raises(ValueError, match="output_dtype must be torch.bfloat16 or torch.float32"):
+        layer.output_dtype = torch.float16

@@ -148,3 +148,22 @@ def test_layer_validation():
         HybridMoELayer(
             experts, torch.full((E,), -1), torch.zeros(0, 2 * I, H), torch.zeros(0, H, I), DeferralChain(), 4
         )
+
+
+def test_hot_cold_and_deferred_parts_are_added_in_fp32_and_rounded_once():
+    """Layer 1's output is round(hot + cold now + layer 0's deferred), each part fp32."""
+    hot_sets = [set(range(0, E, 2)), set(range(1, E, 2))]
+    layers, full = build_stack(hot_sets, max_deferred=1)
+    x = make_hidden(12, H)
+    routes = [make_routing(12, E, K, seed=80 + n) for n in range(2)]
+    layers[0](x, *routes[0])
+    y = layers[1](x, *routes[1])
+    ids1, w1 = routes[1]
+    split = split_routing_torch(ids1, w1, layers[1].gpu_slot_of, 0)
+    hot = layers[1].hot_forward(x, split.hot_ids, w1)
+    cold = layers[1].experts.forward(x, split.cold_ids, w1)
+    ids0, w0 = routes[0]
+    deferred_ids = split_routing_torch(ids0, w0, layers[0].gpu_slot_of, 1).deferred_ids
+    deferred = layers[0].experts.forward(x, deferred_ids, w0)
+    assert hot.dtype == cold.dtype == deferred.dtype == torch.float32
+    assert torch.equal(y, (hot + cold + deferred).bfloat16())

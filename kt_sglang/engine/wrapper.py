@@ -35,17 +35,17 @@ class _Buffers:
     hidden: torch.Tensor  # bf16 [T, H]
     ids: torch.Tensor  # int64 [T, k]
     weights: torch.Tensor  # fp32 [T, k]
-    out: torch.Tensor  # bf16 [T, H]
+    out: torch.Tensor  # bf16 or fp32 [T, H] (the wrapper's output_dtype)
     tokens: torch.Tensor  # int32 [1]: the batch size the task reads when it runs
     stream_forward: object | None = None  # _native.StreamForward over these buffers, made on first use
 
     @classmethod
-    def allocate(cls, tokens: int, hidden: int, top_k: int) -> _Buffers:
+    def allocate(cls, tokens: int, hidden: int, top_k: int, out_dtype: torch.dtype) -> _Buffers:
         return cls(
             _pin(torch.zeros(tokens, hidden, dtype=torch.bfloat16)),
             _pin(torch.zeros(tokens, top_k, dtype=torch.int64)),
             _pin(torch.zeros(tokens, top_k, dtype=torch.float32)),
-            _pin(torch.zeros(tokens, hidden, dtype=torch.bfloat16)),
+            _pin(torch.zeros(tokens, hidden, dtype=out_dtype)),
             _pin(torch.zeros(1, dtype=torch.int32)),
         )
 
@@ -164,6 +164,7 @@ class KTMoEWrapper:
         )
         self.activation = activation
         self.expert_lora_path = expert_lora_path
+        self._output_dtype = torch.bfloat16
         # Two submission streams: the layer's immediate experts and its deferred ones (which run
         # while the next layer computes), each with its own buffers and at most one pending task.
         self._sets = {False: _BufferSet({}), True: _BufferSet({})}
@@ -424,6 +425,27 @@ class KTMoEWrapper:
     # ----------------------------------------------------------------------------------------
     # Forward
 
+    @property
+    def output_dtype(self) -> torch.dtype:
+        """The dtype of forward's output: bf16 (default), or fp32 for a caller that adds other
+        partial sums to it and rounds once (the hybrid layer)."""
+        return self._output_dtype
+
+    @output_dtype.setter
+    def output_dtype(self, dtype: torch.dtype) -> None:
+        if dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"output_dtype must be torch.bfloat16 or torch.float32, got {dtype}")
+        if dtype == self._output_dtype:
+            return
+        if self._pending:
+            raise RuntimeError(f"layer {self.layer_idx}: output_dtype changed with a forward pending")
+        self.drain()
+        captured = bool(self._sets[False].by_size)
+        self._output_dtype = dtype
+        self._sets = {False: _BufferSet({}), True: _BufferSet({})}
+        if captured:
+            self._allocate_capture_buffers()
+
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -431,7 +453,8 @@ class KTMoEWrapper:
         topk_weights: torch.Tensor,
         cuda_stream=None,
     ) -> torch.Tensor:
-        """Sum over each token's CPU experts of weight * expert(hidden); ``[T, H]`` bf16."""
+        """Sum over each token's CPU experts of weight * expert(hidden); ``[T, H]`` in
+        ``output_dtype``."""
         inputs = (hidden_states, topk_ids, topk_weights)
         if cuda_stream is None and all(
             isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in inputs
@@ -449,7 +472,7 @@ class KTMoEWrapper:
         x = _contiguous(hidden_states, torch.bfloat16)
         ids = _contiguous(topk_ids, topk_ids.dtype)
         weights = _contiguous(topk_weights, torch.float32)
-        out = torch.empty(T, self.hidden_size, dtype=torch.bfloat16)
+        out = torch.empty(T, self.hidden_size, dtype=self._output_dtype)
         if T == 0:  # empty tensors have no storage to hand over
             return out
         task = self._layer.submit_forward(
@@ -462,6 +485,7 @@ class KTMoEWrapper:
             self._mask_ptr(),
             out.data_ptr(),
             False,
+            out.dtype == torch.float32,
         )
         self._runner.wait(task)
         return out
@@ -568,6 +592,7 @@ class KTMoEWrapper:
                 buf.weights.data_ptr(),
                 self._mask_ptr(),
                 buf.out.data_ptr(),
+                buf.out.dtype == torch.float32,
             )
         return buf.stream_forward
 
@@ -622,7 +647,9 @@ class KTMoEWrapper:
                 if size >= tokens:
                     return bufs.by_size[size]
             if bufs.spare is None or bufs.spare.capacity < tokens:
-                bufs.spare = _Buffers.allocate(max(tokens, 1), self.hidden_size, self.num_experts_per_tok)
+                bufs.spare = _Buffers.allocate(
+                    max(tokens, 1), self.hidden_size, self.num_experts_per_tok, self._output_dtype
+                )
             buf = bufs.spare
         return buf
 
@@ -652,7 +679,9 @@ class KTMoEWrapper:
         for bufs in self._sets.values():
             for size in KTMoEWrapper._capture_batch_sizes:
                 if size not in bufs.by_size:
-                    bufs.by_size[size] = _Buffers.allocate(size, self.hidden_size, self.num_experts_per_tok)
+                    bufs.by_size[size] = _Buffers.allocate(
+                        size, self.hidden_size, self.num_experts_per_tok, self._output_dtype
+                    )
 
     # ----------------------------------------------------------------------------------------
     # Lifetime: a pending task reads this layer's buffers, so they outlive it

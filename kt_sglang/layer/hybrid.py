@@ -1,8 +1,8 @@
 """One MoE layer split between hot experts (GPU slots) and the CPU engine, with deferred experts.
 
-out(L) = hot(L) + cold_now(L) + deferred(L_prev): the deferred cold experts of MoE layer L are
-submitted to the engine with layer L's input, run while the next MoE layer computes, and are added
-to that layer's output. Layers are linked explicitly (``next_moe``): dense layers may sit between
+out(L) = hot(L) + cold_now(L) + deferred(L_prev), all three fp32 and rounded once: the deferred
+cold experts of MoE layer L are submitted to the engine with layer L's input, run while the next MoE
+layer computes, and are added to that layer's output. Layers are linked explicitly (``next_moe``): dense layers may sit between
 MoE layers, and the last MoE layer defers nothing. A chain holds at most the one pending deferred
 task; a layer that is not its producer's successor (a new or aborted pass) drains it and drops it.
 
@@ -76,6 +76,8 @@ class HybridMoELayer(torch.nn.Module):
         if not 0 <= max_deferred_experts_per_token < max(k, 1):
             raise ValueError(f"max_deferred_experts_per_token must be in [0, {k - 1}]")
         self.experts = experts
+        # The engine's partial sums stay fp32 until they meet the hot ones: one rounding per layer.
+        experts.output_dtype = torch.float32
         self.register_buffer("gpu_slot_of", gpu_slot_of.to(torch.int64), persistent=False)
         self.w13, self.w2 = w13, w2
         self.chain = chain
@@ -117,10 +119,10 @@ class HybridMoELayer(torch.nn.Module):
                 hidden, split.deferred_ids, topk_weights, stream, deferred=True, num_tokens=num_tokens
             )
         out = self.hot_forward(hidden, split.hot_ids, topk_weights)
-        out += self.experts.sync_forward(hidden, stream).float()
+        out += self.experts.sync_forward(hidden, stream)
         previous = self.chain.take(self, hidden)
         if previous is not None:
-            out += previous.float()
+            out += previous
         if defer:
             self.chain.put(self)
         return out.to(hidden.dtype)

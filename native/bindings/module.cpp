@@ -353,16 +353,26 @@ PYBIND11_MODULE(_native, m) {
              py::gil_scoped_release release;
              l.load_canonical(g, u, d);
            })
-      .def("submit_forward",
-           [](MoeLayer& l, int64_t tokens, uintptr_t tokens_ptr, uintptr_t hidden, uintptr_t ids,
-              bool ids_int64, uintptr_t weights, uintptr_t mask, uintptr_t out, bool incremental) {
-             ForwardArgs a;
-             a.tokens = tokens, a.tokens_ptr = ptr<const int32_t>(tokens_ptr);
-             a.hidden = ptr<const uint16_t>(hidden), a.expert_ids = ptr<const void>(ids);
-             a.ids_int64 = ids_int64, a.weights = ptr<const float>(weights);
-             a.skip_mask = ptr<const bool>(mask), a.out = ptr<uint16_t>(out), a.incremental = incremental;
-             return l.submit_forward(a);
-           })
+      .def(
+          "submit_forward",
+          [](MoeLayer& l, int64_t tokens, uintptr_t tokens_ptr, uintptr_t hidden, uintptr_t ids,
+             bool ids_int64, uintptr_t weights, uintptr_t mask, uintptr_t out, bool incremental,
+             bool out_fp32) {
+            ForwardArgs a;
+            a.tokens = tokens, a.tokens_ptr = ptr<const int32_t>(tokens_ptr);
+            a.hidden = ptr<const uint16_t>(hidden), a.expert_ids = ptr<const void>(ids);
+            a.ids_int64 = ids_int64, a.weights = ptr<const float>(weights);
+            a.skip_mask = ptr<const bool>(mask), a.incremental = incremental;
+            if (out_fp32)
+              a.out_f32 = ptr<float>(out);
+            else
+              a.out = ptr<uint16_t>(out);
+            return l.submit_forward(a);
+          },
+          py::arg("tokens"), py::arg("tokens_ptr"), py::arg("hidden"), py::arg("ids"), py::arg("ids_int64"),
+          py::arg("weights"), py::arg("mask"), py::arg("out"), py::arg("incremental"),
+          py::arg("out_fp32") = false,
+          "Enqueues a forward; `out` is bf16 [tokens, hidden], or fp32 with out_fp32.")
       .def("drain", &MoeLayer::drain, py::call_guard<py::gil_scoped_release>(),
            "Waits until every forward this layer submitted has finished.")
       .def_property_readonly("isa", [](const MoeLayer& l) { return std::string(isa_name(l.isa())); })
@@ -381,15 +391,21 @@ PYBIND11_MODULE(_native, m) {
   py::class_<StreamForward>(m, "StreamForward")
       .def(py::init([](MoeLayer& layer, std::shared_ptr<Runner> runner, uintptr_t tokens_ptr,
                        int64_t max_tokens, uintptr_t hidden, uintptr_t ids, bool ids_int64, uintptr_t weights,
-                       uintptr_t mask, uintptr_t out) {
+                       uintptr_t mask, uintptr_t out, bool out_fp32) {
              ForwardArgs a;
              a.tokens_ptr = ptr<const int32_t>(tokens_ptr), a.max_tokens = max_tokens;
              a.hidden = ptr<const uint16_t>(hidden), a.expert_ids = ptr<const void>(ids);
              a.ids_int64 = ids_int64, a.weights = ptr<const float>(weights);
-             a.skip_mask = ptr<const bool>(mask), a.out = ptr<uint16_t>(out);
+             a.skip_mask = ptr<const bool>(mask);
+             if (out_fp32)
+               a.out_f32 = ptr<float>(out);
+             else
+               a.out = ptr<uint16_t>(out);
              return std::make_unique<StreamForward>(layer, std::move(runner), a);
            }),
-           py::keep_alive<1, 2>())
+           py::arg("layer"), py::arg("runner"), py::arg("tokens_ptr"), py::arg("max_tokens"),
+           py::arg("hidden"), py::arg("ids"), py::arg("ids_int64"), py::arg("weights"), py::arg("mask"),
+           py::arg("out"), py::arg("out_fp32") = false, py::keep_alive<1, 2>())
       .def("submit", &StreamForward::submit, py::arg("stream"), py::call_guard<py::gil_scoped_release>())
       .def("sync", &StreamForward::sync, py::arg("stream"), py::call_guard<py::gil_scoped_release>())
       .def("check", &StreamForward::check);

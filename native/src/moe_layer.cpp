@@ -372,8 +372,9 @@ void check_expert_ids(const void* ids, bool ids_int64, int64_t tokens, int top_k
 
 uint64_t MoeLayer::submit_forward(const ForwardArgs& args) {
   if (!loaded_) throw std::runtime_error("forward before the weights were loaded");
-  if (!args.hidden || !args.expert_ids || !args.weights || !args.out)
-    throw std::invalid_argument("forward: null hidden_states, expert ids, weights or output");
+  if (!args.hidden || !args.expert_ids || !args.weights || !args.out == !args.out_f32)
+    throw std::invalid_argument(
+        "forward: null hidden_states, expert ids or weights, or not exactly one output");
   if (!args.tokens_ptr && args.tokens < 0) throw std::invalid_argument("forward: negative token count");
   if (!args.tokens_ptr)
     check_expert_ids(args.expert_ids, args.ids_int64, args.tokens, config_.top_k, config_.num_experts);
@@ -879,7 +880,7 @@ void MoeLayer::down(const Chunk& chunk, const WorkerContext& ctx) {
 }
 
 // Combine: the pools' partial outputs (down_rows: each token's rows in slot order, weighted) summed
-// into bf16.
+// into bf16, or fp32 (out_f32).
 void MoeLayer::combine(const Chunk& chunk, const WorkerContext& ctx) {
   MoeWorkspace& ws = *workspace_;
   const auto& [args, c0, Tc, E, K, P, G, H, Hp, Hy, Gh, int8_x, int8_h, gemm_q, gemm_a16] = chunk;
@@ -893,7 +894,16 @@ void MoeLayer::combine(const Chunk& chunk, const WorkerContext& ctx) {
     for (int64_t item = ctx.tid; item < Tc * splits; item += ctx.num_threads) {
       const int64_t t = item / splits, h0 = item % splits * width, n = std::min(H, h0 + width) - h0;
       if (n <= 0) continue;
-      uint16_t* out = args.out + (c0 + t) * H + h0;
+      const int64_t at = (c0 + t) * H + h0;
+      auto emit = [&](const float* const* p, int np) {
+        if (!args.out_f32) return table_.sum_to_bf16(p, np, n, args.incremental, args.out + at);
+        float* out = args.out_f32 + at;
+        for (int64_t i = 0; i < n; ++i) {
+          float s = args.incremental ? out[i] : 0.0f;
+          for (int q = 0; q < np; ++q) s += p[q][i];
+          out[i] = s;
+        }
+      };
       if (ws.down_rows) {
         std::fill_n(sum.data(), n, 0.0f);
         for (int j = 0; j < K; ++j) {
@@ -904,10 +914,10 @@ void MoeLayer::combine(const Chunk& chunk, const WorkerContext& ctx) {
               table_.add_weighted(sum.data(), ws.pools[p].y.data() + r * Hy + h0, ws.row_weight[r], n);
         }
         parts[0] = sum.data();
-        table_.sum_to_bf16(parts.data(), 1, n, args.incremental, out);
+        emit(parts.data(), 1);
       } else {
         for (int p = 0; p < P; ++p) parts[p] = ws.pools[p].y.data() + t * Hy + h0;
-        table_.sum_to_bf16(parts.data(), P, n, args.incremental, out);
+        emit(parts.data(), P);
       }
     }
   });

@@ -50,6 +50,8 @@ struct ForwardArgs {
   const float* weights = nullptr;   // fp32 [tokens, top_k]
   const bool* skip_mask = nullptr;  // [num_experts], true = not computed here; may be null
   uint16_t* out = nullptr;          // bf16 [tokens, hidden]
+  float* out_f32 = nullptr;         // instead of out: fp32 [tokens, hidden], for callers that add
+                                    // other partial sums and round once (the hybrid layer)
   bool incremental = false;         // add to out instead of writing it
 };
 
