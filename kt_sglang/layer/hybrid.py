@@ -3,8 +3,9 @@
 out(L) = hot(L) + cold_now(L) + deferred(L_prev), all three fp32 and rounded once: the deferred
 cold experts of MoE layer L are submitted to the engine with layer L's input, run while the next MoE
 layer computes, and are added to that layer's output. Layers are linked explicitly (``next_moe``):
-dense layers may sit between MoE layers, and the last MoE layer defers nothing. A chain holds at most the one pending deferred
-task; a layer that is not its producer's successor (a new or aborted pass) drains it and drops it.
+dense layers may sit between MoE layers, and the last MoE layer defers nothing. A chain holds at
+most the one pending deferred task; a layer that is not its producer's successor (a new or aborted
+pass) drains it and drops it.
 
 On CUDA the split and the hot experts run as Triton kernels and the CPU engine's submit and sync
 are host functions on the current stream: a forward never waits on the host, so a whole step with
