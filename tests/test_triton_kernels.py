@@ -104,11 +104,13 @@ def test_hot_kernel_skips_cold_and_empty(device):
     assert not no_slots.any()
 
 
-def test_align_by_slot_places_each_hot_selection_once(device):
-    from kt_sglang.kernels.hot_moe_triton import BLOCK_M, align_by_slot
+@pytest.mark.parametrize(("tokens", "top_k", "slots"), [(50, 4, 6), (1, 8, 3), (128, 8, 40), (7, 2, 1)])
+def test_align_by_slot_places_each_hot_selection_once(device, tokens, top_k, slots):
+    """The one-program alignment: every hot selection in exactly one block of its slot, and the same
+    layout as the torch ops (stable order within a slot)."""
+    from kt_sglang.kernels.hot_moe_triton import BLOCK_M, align_by_slot, align_by_slot_torch
 
-    slots = 6
-    slot_ids = torch.randint(-1, slots, (50, 4), generator=torch.Generator().manual_seed(3))
+    slot_ids = torch.randint(-1, slots, (tokens, top_k), generator=torch.Generator().manual_seed(tokens))
     blocks = align_by_slot(slot_ids.to(device), slots)
     rows, block_slot = blocks.rows.cpu(), blocks.block_slot.cpu()
     flat = slot_ids.reshape(-1)
@@ -119,6 +121,8 @@ def test_align_by_slot_places_each_hot_selection_once(device):
                 assert s >= 0 and int(flat[r]) == s, (b, r)
                 seen[r] = seen.get(r, 0) + 1
     assert seen == {r: 1 for r in range(flat.numel()) if flat[r] >= 0}
+    twin = align_by_slot_torch(slot_ids, slots)
+    assert torch.equal(rows, twin.rows) and torch.equal(block_slot, twin.block_slot)
 
 
 @needs_gpu
@@ -130,3 +134,71 @@ def test_hot_kernel_bf16_on_gpu(shape):
     want = hot_moe_torch(*case)
     got = hot_moe_triton(*(t.cuda() for t in case)).cpu()
     assert float((got - want).norm() / want.norm()) < 1e-2
+
+
+# aten ops that launch no kernel on a GPU (allocation, views, no-op conversions)
+_NO_LAUNCH = {
+    "empty", "empty_strided", "view", "_unsafe_view", "reshape", "select", "slice", "as_strided",
+    "detach", "alias", "t", "transpose", "unsqueeze", "squeeze", "expand", "permute", "new_empty",
+    "lift_fresh",
+}  # fmt: skip
+
+
+def _launches(fn) -> tuple[int, int]:
+    """(Triton kernel launches, launching aten ops outside them) of ``fn()`` in the interpreter."""
+    import triton.runtime.interpreter as interpreter
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    state = {"inside": False, "triton": 0, "aten": []}
+    run = interpreter.GridExecutor.__call__
+
+    def counted(self, *args, **kwargs):
+        state["triton"] += 1
+        state["inside"] = True
+        try:
+            return run(self, *args, **kwargs)
+        finally:
+            state["inside"] = False
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if not state["inside"] and name not in _NO_LAUNCH:
+                state["aten"].append(name)
+            return func(*args, **(kwargs or {}))
+
+    interpreter.GridExecutor.__call__ = counted
+    try:
+        with Count():
+            fn()
+    finally:
+        interpreter.GridExecutor.__call__ = run
+    return state["triton"], len(state["aten"])
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="counts launches in Triton's interpreter, which a GPU run does not use")
+def test_hot_path_launches_are_bounded():
+    """The hot path of one layer in eager mode (split, alignment, gate/up, down, sum): the same number
+    of launches at any batch size and share of hot experts, five Triton kernels at most and a
+    handful of torch ops."""
+    from kt_sglang.kernels.hot_moe_triton import hot_moe_triton
+    from kt_sglang.kernels.split_triton import split_routing_triton
+
+    E, k, H, I = 32, 4, 64, 32
+    counts = set()
+    for tokens, hot_fraction in [(1, 0.1), (1, 0.5), (16, 0.25), (64, 1.0)]:
+        hot = random_hot(E, hot_fraction, seed=tokens)
+        slot_of = slot_map(E, hot)
+        w13 = torch.randn(len(hot), 2 * I, H)
+        w2 = torch.randn(len(hot), H, I)
+        ids, weights = make_routing(tokens, E, k, seed=tokens)
+        x = torch.randn(tokens, H)
+
+        def step():
+            split = split_routing_triton(ids, weights, slot_of, 1)
+            hot_moe_triton(x, w13, w2, split.hot_ids, weights)
+
+        counts.add(_launches(step))
+    assert len(counts) == 1, counts
+    ((triton_launches, aten_launches),) = counts
+    assert triton_launches <= 5 and aten_launches <= 6, counts

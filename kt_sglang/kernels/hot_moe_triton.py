@@ -1,7 +1,7 @@
 """The hot experts' MoE as Triton grouped GEMMs (CUDA); same semantics as `hot_moe_torch`.
 
 The selections ``(token, j)`` with a GPU slot are grouped by slot into blocks of BLOCK_M rows
-(`align_by_slot`, torch ops without host synchronization, so a CUDA graph can capture it: the grid
+(`align_by_slot`: one program, no host synchronization, so a CUDA graph can capture it; the grid
 is sized for the worst case and blocks without work return at once). Then
 
 1. gate/up: ``inter[row] = silu(x Wg_s^T) * (x Wu_s^T)`` in the weights' dtype (fp32 accumulation);
@@ -29,8 +29,10 @@ class SlotBlocks:
     block_slot: torch.Tensor  # [capacity // BLOCK_M] slot of each block, -1 for unused blocks
 
 
-def align_by_slot(slot_ids: torch.Tensor, num_slots: int, block_m: int = BLOCK_M) -> SlotBlocks:
-    """Groups the flat selections of ``slot_ids [T, k]`` (-1 = not hot) by slot."""
+def align_by_slot_torch(slot_ids: torch.Tensor, num_slots: int, block_m: int = BLOCK_M) -> SlotBlocks:
+    """Groups the flat selections of ``slot_ids [T, k]`` (-1 = not hot) by slot, in torch ops
+    (about twenty launches: for batches above `ALIGN_KERNEL_MAX_ROWS` selections, where they cost
+    less than one program walking every selection)."""
     flat = slot_ids.reshape(-1).long()
     n = flat.numel()
     device = flat.device
@@ -45,7 +47,7 @@ def align_by_slot(slot_ids: torch.Tensor, num_slots: int, block_m: int = BLOCK_M
     start_in_sorted = torch.cumsum(counts, 0) - counts  # where each slot's rows begin in `order`
     rank = torch.arange(n, device=device) - start_in_sorted[sorted_key]
     dest = (padded_end - padded)[sorted_key.clamp_max(num_slots - 1)] + rank
-    capacity = (n + num_slots * (block_m - 1) + block_m - 1) // block_m * block_m
+    capacity = _capacity(n, num_slots, block_m)
     rows = torch.full((capacity + 1,), n, dtype=torch.int64, device=device)
     hot = sorted_key < num_slots
     rows.scatter_(0, torch.where(hot, dest, capacity), order)  # not-hot rows land in the spare cell
@@ -53,6 +55,74 @@ def align_by_slot(slot_ids: torch.Tensor, num_slots: int, block_m: int = BLOCK_M
     block_slot = torch.searchsorted(padded_end, block_start, right=True)
     block_slot = torch.where(block_slot < num_slots, block_slot, -1)
     return SlotBlocks(rows=rows[:capacity], block_slot=block_slot)
+
+
+def _capacity(n: int, num_slots: int, block_m: int) -> int:
+    """Rows of the worst case: every slot's last block part padding."""
+    return (n + num_slots * (block_m - 1) + block_m - 1) // block_m * block_m
+
+
+@triton.jit
+def _align_kernel(
+    slot_ids_ptr,  # [n] slot of each selection, -1 = not hot
+    rows_ptr,  # [capacity] out
+    block_slot_ptr,  # [capacity // BLOCK_M] out
+    n,
+    num_slots,
+    capacity,
+    BLOCK_M: tl.constexpr,
+    S_PAD: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    """One program: count each slot's selections, lay the slots out in blocks of BLOCK_M rows, then
+    place each selection at its slot's next row (in selection order, as a stable sort would)."""
+    s = tl.arange(0, S_PAD)
+    counts = tl.zeros([S_PAD], dtype=tl.int32)
+    for c0 in range(0, n, CHUNK):
+        i = c0 + tl.arange(0, CHUNK)
+        slot = tl.load(slot_ids_ptr + i, mask=i < n, other=-1).to(tl.int32)
+        counts += tl.sum((slot[:, None] == s[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    end = tl.cumsum(padded, axis=0)
+    for r0 in range(0, capacity, CHUNK):
+        r = r0 + tl.arange(0, CHUNK)
+        tl.store(rows_ptr + r, tl.zeros([CHUNK], dtype=tl.int64) + n, mask=r < capacity)
+        first = r * BLOCK_M  # block r's first row; a slot owns it if the slot's blocks end after it
+        owner = tl.sum((end[None, :] <= first[:, None]).to(tl.int32), axis=1)
+        tl.store(block_slot_ptr + r, tl.where(owner < num_slots, owner, -1), mask=first < capacity)
+    tl.debug_barrier()  # the padding above is written before any selection's row below
+    next_row = end - padded
+    for c0 in range(0, n, CHUNK):
+        i = c0 + tl.arange(0, CHUNK)
+        slot = tl.load(slot_ids_ptr + i, mask=i < n, other=-1).to(tl.int32)
+        match = (slot[:, None] == s[None, :]).to(tl.int32)
+        earlier = tl.cumsum(match, axis=0) - match  # same-slot selections before it in this chunk
+        dest = tl.sum(match * (earlier + next_row[None, :]), axis=1)
+        tl.store(rows_ptr + dest, i.to(tl.int64), mask=(i < n) & (slot >= 0))
+        next_row += tl.sum(match, axis=0)
+
+
+ALIGN_KERNEL_MAX_ROWS = 4096  # selections (T * k) up to which one program aligns them
+
+
+def align_by_slot(slot_ids: torch.Tensor, num_slots: int, block_m: int = BLOCK_M) -> SlotBlocks:
+    """Groups the flat selections of ``slot_ids [T, k]`` (-1 = not hot) by slot: `rows` lists each
+    slot's selections (flat index t*k + j, in order) padded to a multiple of ``block_m`` with
+    ``T * k``, and `block_slot` names each block's slot (-1: unused). One kernel launch for decode
+    batches, no host synchronization either way (CUDA-graph capturable)."""
+    n = slot_ids.numel()
+    if n > ALIGN_KERNEL_MAX_ROWS or num_slots == 0:
+        return align_by_slot_torch(slot_ids, num_slots, block_m)
+    flat = slot_ids.reshape(-1).contiguous()
+    capacity = _capacity(n, num_slots, block_m)
+    rows = torch.empty(capacity, dtype=torch.int64, device=flat.device)
+    block_slot = torch.empty(capacity // block_m, dtype=torch.int64, device=flat.device)
+    s_pad = triton.next_power_of_2(num_slots + 1)
+    _align_kernel[(1,)](
+        flat, rows, block_slot, n, num_slots, capacity,
+        BLOCK_M=block_m, S_PAD=s_pad, CHUNK=max(16, min(128, 8192 // s_pad)),
+    )  # fmt: skip
+    return SlotBlocks(rows=rows, block_slot=block_slot)
 
 
 @triton.jit
