@@ -194,7 +194,7 @@ def test_hot_path_launches_are_bounded():
         ids, weights = make_routing(tokens, E, k, seed=tokens)
         x = torch.randn(tokens, H)
 
-        def step():
+        def step(ids=ids, weights=weights, slot_of=slot_of, x=x, w13=w13, w2=w2):
             split = split_routing_triton(ids, weights, slot_of, 1)
             hot_moe_triton(x, w13, w2, split.hot_ids, weights)
 
