@@ -1,5 +1,5 @@
 """The CPU-reproducible benchmarks of the GPU path run end to end on the CPU (their figures live in
-docs/, not in tests): the hybrid step on the CPU device and the thread-contention model."""
+docs/, not in tests): the model-shaped decode step on the CPU device and the thread-contention model."""
 
 from __future__ import annotations
 
@@ -24,13 +24,17 @@ def run_bench(script: str, tmp_path: Path, *args: str) -> dict:
 
 
 @pytest.mark.slow
-def test_hybrid_step_benchmark_on_the_cpu_device(tmp_path):
-    r = run_bench("bench_hybrid.py", tmp_path, "--device", "cpu", "--layers", "2", "--repeats", "2")
-    assert r["device"] == "cpu" and r["engine_threads"] >= 1
-    points = {(row["hot_fraction"], row["deferral"]) for row in r["rows"]}
-    assert points == {(h, d) for h in (0.0, 0.25, 0.5) for d in (0, 1, 2, 4)}
-    assert all(row["step_ms"] > 0 for row in r["rows"])
-    assert r["half_hot"]["hot_ms"] > 0 and r["half_hot"]["cpu_ms"] > 0
+def test_decode_step_benchmark_on_the_cpu_device(tmp_path):
+    r = run_bench(
+        "bench_decode_step.py", tmp_path, "--device", "cpu", "--model", "tiny", "--layers", "2",
+        "--batches", "1", "4", "--context", "64", "--repeats", "2",
+    )  # fmt: skip
+    assert r["device"] == "cpu" and not r["cuda_graph"] and r["engine_threads"] >= 1
+    points = {(row["batch"], row["hot_fraction"], row["deferral"]) for row in r["rows"]}
+    # the tiny model routes 4 experts a token: at most 3 deferred
+    assert points == {(b, h, d) for b in (1, 4) for h in (0.0, 0.1, 0.25) for d in (0, 1, 2)}
+    assert all(row["step_ms"] > 0 and row["tokens_per_s"] > 0 for row in r["rows"])
+    assert all(p["gpu_ms"] > 0 and p["cpu_ms"] > 0 for p in r["parts"]) and len(r["parts"]) == 6
 
 
 @pytest.mark.slow

@@ -1,0 +1,335 @@
+"""A decode step of a model's layers, the routed experts split between the GPU and the CPU engine.
+
+    python bench/bench_decode_step.py [--model qwen3-30b-a3b|deepseek-v3|tiny] [--layers 3]
+        [--batches 1 4 16 64 128] [--hot 0 0.1 0.25] [--deferral 0 1 2 4] [--context 2048]
+        [--method AMXINT4] [--device cpu|cuda] [--no-graph] [--repeats 9] [--out FILE]
+
+Each layer does what a model's decoder layer does on the GPU besides the routed experts: RMSNorm,
+attention projections and a read of a KV cache of ``--context`` positions per sequence (grouped-query
+attention for Qwen3; DeepSeek-V3's latent attention with the up-projections absorbed), RMSNorm, the
+router (softmax top-k), the shared expert where the model has one, and the residual adds. The routed
+experts go through `HybridMoELayer`: the ``--hot`` share of experts on the GPU, the rest on the engine,
+the ``--deferral`` lowest-weight cold experts of each token deferred to the next layer. On CUDA the
+whole step is captured in one CUDA graph per configuration, as SGLang's decode runner does.
+DeepSeek-V3 keeps its layer's shapes with 64 of its 256 routed experts (a layer fits in a
+benchmark host's memory; at batch 1-16 a token touches as many experts either way).
+
+Per configuration: the step's median time, tokens/s, and the speedup of each deferral against none;
+per batch and hot share, the GPU part alone (the step without the engine), the CPU part alone (the
+engine's cold experts of the same routing) and their overlap,
+(gpu + cpu - step) / min(gpu, cpu): 1 when the shorter part hides entirely, 0 when they take turns.
+On the CPU device both parts share the cores and run in turn; CI runs it there as a smoke test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from kt_sglang import KTMoEWrapper
+from kt_sglang.engine.pools import physical_cores, reserved_cores, serving_threads
+from kt_sglang.kernels import split_routing
+from kt_sglang.layer import DeferralChain, HybridMoELayer
+
+
+@dataclass(frozen=True)
+class Shape:
+    hidden: int
+    inter: int  # routed expert
+    experts: int
+    top_k: int
+    heads: int
+    head_dim: int
+    kv_heads: int = 0  # grouped-query attention
+    latent: int = 0  # latent attention (DeepSeek): cached latent width, rope part, query rank
+    rope: int = 0
+    q_rank: int = 0
+    shared_inter: int = 0  # shared expert, 0 = none
+
+
+SHAPES = {
+    "qwen3-30b-a3b": Shape(hidden=2048, inter=768, experts=128, top_k=8, heads=32, head_dim=128, kv_heads=4),
+    "deepseek-v3": Shape(
+        hidden=7168,
+        inter=2048,
+        experts=64,
+        top_k=8,
+        heads=128,
+        head_dim=128,
+        latent=512,
+        rope=64,
+        q_rank=1536,
+        shared_inter=2048,
+    ),  # fmt: skip
+    "tiny": Shape(
+        hidden=256, inter=128, experts=16, top_k=4, heads=4, head_dim=64, kv_heads=2, shared_inter=128
+    ),
+}
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype) * weight
+
+
+class DenseParts(torch.nn.Module):
+    """A decoder layer's GPU work besides the routed experts, with its KV cache for ``batch`` sequences."""
+
+    def __init__(self, s: Shape, batch: int, context: int, device: str, gen: torch.Generator) -> None:
+        super().__init__()
+        dt = torch.bfloat16
+
+        def w(*shape: int) -> torch.Tensor:
+            return (torch.randn(*shape, generator=gen) / shape[-1] ** 0.5).to(dt).to(device)
+
+        H = s.hidden
+        self.s = s
+        self.norm1 = torch.ones(H, dtype=dt, device=device)
+        self.norm2 = torch.ones(H, dtype=dt, device=device)
+        self.router = w(s.experts, H)
+        if s.latent:
+            nope = s.head_dim
+            self.q_a, self.q_b = w(s.q_rank, H), w(s.heads * (nope + s.rope), s.q_rank)
+            self.kv_a = w(s.latent + s.rope, H)
+            self.k_up = w(s.heads, nope, s.latent)  # absorbed into the query
+            self.v_up = w(s.heads, s.latent, s.head_dim)  # applied to the latent output
+            self.cache = w(batch, context, s.latent + s.rope)
+        else:
+            self.q = w(s.heads * s.head_dim, H)
+            self.kv = w(2 * s.kv_heads * s.head_dim, H)
+            self.k_cache = w(batch, s.kv_heads, context, s.head_dim)
+            self.v_cache = w(batch, s.kv_heads, context, s.head_dim)
+        self.o = w(H, s.heads * s.head_dim)
+        if s.shared_inter:
+            self.shared_gate_up = w(2 * s.shared_inter, H)
+            self.shared_down = w(H, s.shared_inter)
+
+    def attention(self, x: torch.Tensor) -> torch.Tensor:
+        s, B = self.s, x.shape[0]
+        h = _rms_norm(x, self.norm1)
+        if s.latent:
+            q = F.linear(F.linear(h, self.q_a), self.q_b).view(B, s.heads, s.head_dim + s.rope)
+            self.cache[:B, -1] = F.linear(h, self.kv_a)  # this step's latent, at the last position
+            q_latent = torch.einsum("bhd,hdl->bhl", q[..., : s.head_dim], self.k_up)
+            q_full = torch.cat([q_latent, q[..., s.head_dim :]], -1)  # [B, heads, latent + rope]
+            cache = self.cache[:B]
+            scores = torch.einsum("bhl,bcl->bhc", q_full, cache).float() / (s.head_dim + s.rope) ** 0.5
+            out_latent = torch.einsum("bhc,bcl->bhl", scores.softmax(-1).to(x.dtype), cache[..., : s.latent])
+            out = torch.einsum("bhl,hld->bhd", out_latent, self.v_up).reshape(B, -1)
+        else:
+            q = F.linear(h, self.q).view(B, s.heads, 1, s.head_dim)
+            k, v = F.linear(h, self.kv).view(B, 2, s.kv_heads, 1, s.head_dim).unbind(1)
+            self.k_cache[:B, :, -1:] = k
+            self.v_cache[:B, :, -1:] = v
+            out = F.scaled_dot_product_attention(q, self.k_cache[:B], self.v_cache[:B], enable_gqa=True)
+            out = out.reshape(B, -1)
+        return x + F.linear(out, self.o)
+
+    def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        probs = F.linear(h, self.router).float().softmax(-1)
+        weights, ids = probs.topk(self.s.top_k, -1)
+        return ids, weights / weights.sum(-1, keepdim=True)
+
+    def shared(self, h: torch.Tensor) -> torch.Tensor | None:
+        if not self.s.shared_inter:
+            return None
+        gate, up = F.linear(h, self.shared_gate_up).chunk(2, -1)
+        return F.linear(F.silu(gate) * up, self.shared_down)
+
+
+class DecoderStack(torch.nn.Module):
+    """``part``: "both" (the step), "gpu" (the engine's cold experts skipped) or "record" (the step,
+    keeping each layer's MoE input and routing for the CPU part alone)."""
+
+    def __init__(self, dense: list[DenseParts], moe: list[HybridMoELayer]) -> None:
+        super().__init__()
+        self.dense, self.moe = dense, moe
+        self.part = "both"
+        self.recorded: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.recorded = []
+        for dense, moe in zip(self.dense, self.moe, strict=True):
+            x = dense.attention(x)
+            h = _rms_norm(x, dense.norm2)
+            ids, weights = dense.route(h)
+            if self.part == "gpu":
+                split = split_routing(ids, weights, moe.gpu_slot_of, 0)
+                y = moe.hot_forward(h, split.hot_ids, weights).to(h.dtype)
+            else:
+                y = moe(h, ids, weights)
+                if self.part == "record":
+                    self.recorded.append((h, ids, weights))
+            shared = dense.shared(h)
+            x = x + (y if shared is None else y + shared)
+        return x
+
+
+def build_moe(sources, hot: float, deferral: int, device: str) -> list[HybridMoELayer]:
+    chain = DeferralChain()
+    layers = []
+    for gate, up, down, experts in sources:
+        E = gate.shape[0]
+        n_hot = round(E * hot)
+        slot_of = torch.full((E,), -1)
+        slot_of[:n_hot] = torch.arange(n_hot)
+        w13 = torch.cat([gate[:n_hot], up[:n_hot]], 1).to(device)
+        layers.append(
+            HybridMoELayer(experts, slot_of.to(device), w13, down[:n_hot].to(device), chain, deferral)
+        )
+    HybridMoELayer.link(layers)
+    return layers
+
+
+def timed(fn, repeats: int, cuda: bool) -> float:
+    """Median seconds of ``fn()`` after two warm-up calls."""
+    times = []
+    for i in range(repeats + 2):
+        if cuda:
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        if i >= 2:
+            times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def step_fn(stack: DecoderStack, x: torch.Tensor, graph: bool):
+    """The step as a callable: eager, or one CUDA graph replay (captured here)."""
+    if not graph:
+        return lambda: stack(x)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            stack(x)
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        stack(x)
+    return g.replay
+
+
+def cpu_part_time(stack: DecoderStack, x: torch.Tensor, repeats: int) -> float:
+    """The engine's cold experts of the step's routing, layer after layer, with nothing else running."""
+    stack.part = "record"
+    stack(x)
+    stack.part = "both"
+    calls = []
+    for (h, ids, weights), moe in zip(stack.recorded, stack.moe, strict=True):
+        split = split_routing(ids, weights, moe.gpu_slot_of, 0)
+        calls.append((moe.experts, h.cpu(), split.cold_ids.cpu(), weights.cpu()))
+    return timed(lambda: [experts.forward(h, ids, w) for experts, h, ids, w in calls], repeats, False)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", choices=sorted(SHAPES), default="qwen3-30b-a3b")
+    p.add_argument("--layers", type=int, default=3)
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64, 128])
+    p.add_argument("--hot", type=float, nargs="+", default=[0.0, 0.1, 0.25])
+    p.add_argument("--deferral", type=int, nargs="+", default=[0, 1, 2, 4])
+    p.add_argument("--context", type=int, default=2048, help="KV-cache positions per sequence")
+    p.add_argument("--method", default="AMXINT4")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--no-graph", action="store_true", help="on CUDA, time eager steps (no CUDA graph)")
+    p.add_argument("--repeats", type=int, default=9)
+    p.add_argument("--out", type=Path)
+    args = p.parse_args()
+    if 0 not in args.deferral:
+        p.error("--deferral must include 0 (the speedups are against it)")
+    s = SHAPES[args.model]
+    args.deferral = sorted(d for d in set(args.deferral) if d < s.top_k)  # at most top_k - 1 deferred
+    cuda = args.device == "cuda"
+    graph = cuda and not args.no_graph
+    # The serving rule (kt_sglang.engine.pools.reserved_cores): the engine leaves a quarter of the
+    # cores to the threads that launch, wait and run torch's own work (the GPU part on the CPU device).
+    torch.set_num_threads(reserved_cores())
+    gen = torch.Generator().manual_seed(0)
+    sources = []
+    for n in range(args.layers):
+        gate = (torch.randn(s.experts, s.inter, s.hidden, generator=gen) / s.hidden**0.5).bfloat16()
+        up = (torch.randn(s.experts, s.inter, s.hidden, generator=gen) / s.hidden**0.5).bfloat16()
+        down = (torch.randn(s.experts, s.hidden, s.inter, generator=gen) / s.inter**0.5).bfloat16()
+        experts = KTMoEWrapper(
+            n, s.experts, s.top_k, s.hidden, s.inter, None, serving_threads(), 1, method=args.method
+        )
+        experts.load_weights_from_tensors(gate, up, down)
+        sources.append((gate, up, down, experts))
+    rows, parts = [], []
+    for batch in args.batches:
+        KTMoEWrapper.set_capture_batch_sizes([batch])  # buffers of their own, as SGLang's captured sizes
+        dense = [DenseParts(s, batch, args.context, args.device, gen) for _ in range(args.layers)]
+        x = (torch.randn(batch, s.hidden, generator=gen) / 4).bfloat16().to(args.device)
+        for hot in args.hot:
+            base = None
+            for deferral in args.deferral:
+                stack = DecoderStack(dense, build_moe(sources, hot, deferral, args.device))
+                t = timed(step_fn(stack, x, graph), args.repeats, cuda)
+                base = base or t
+                rows.append({
+                    "batch": batch, "hot_fraction": hot, "deferral": deferral, "step_ms": t * 1e3,
+                    "tokens_per_s": batch / t, "speedup": base / t,
+                })  # fmt: skip
+                if deferral == 0:
+                    step0 = t
+                    gpu_stack = DecoderStack(dense, stack.moe)
+                    gpu_stack.part = "gpu"
+                    gpu = timed(step_fn(gpu_stack, x, graph), args.repeats, cuda)
+                    cpu = cpu_part_time(stack, x, args.repeats)
+                    parts.append({
+                        "batch": batch, "hot_fraction": hot, "step_ms": step0 * 1e3, "gpu_ms": gpu * 1e3,
+                        "cpu_ms": cpu * 1e3, "overlap": (gpu + cpu - step0) / min(gpu, cpu),
+                    })  # fmt: skip
+        del dense
+        KTMoEWrapper.set_capture_batch_sizes([])
+        KTMoEWrapper.clear_buffer_cache()
+    result = {
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "cuda_graph": graph,
+        "model": args.model,
+        "method": args.method,
+        "layers": args.layers,
+        "context": args.context,
+        "engine_threads": serving_threads(),
+        "torch_threads": reserved_cores(),
+        "rows": rows,
+        "parts": parts,
+    }
+    print(
+        f"{args.layers} {args.model} layers, context {args.context}, {args.method}, {physical_cores()} cores "
+        f"(engine {serving_threads()}, torch {reserved_cores()}), {result['device']}"
+        f"{', CUDA graph' if graph else ''}"
+    )
+    defs = args.deferral
+    print(
+        "| batch | hot | "
+        + " | ".join(f"deferral {d}: ms (x)" for d in defs)
+        + " | GPU part | CPU part | overlap |"
+    )
+    print("|---|---|" + "---|" * (len(defs) + 3))
+    for part in parts:
+        cells = [
+            f"{r['step_ms']:.2f} ({r['speedup']:.2f})"
+            for r in rows
+            if r["batch"] == part["batch"] and r["hot_fraction"] == part["hot_fraction"]
+        ]
+        print(
+            f"| {part['batch']} | {part['hot_fraction'] * 100:.0f}% | " + " | ".join(cells)
+            + f" | {part['gpu_ms']:.2f} | {part['cpu_ms']:.2f} | {part['overlap']:.2f} |"
+        )  # fmt: skip
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
