@@ -14,7 +14,9 @@ whole step is captured in one CUDA graph per configuration, as SGLang's decode r
 DeepSeek-V3 keeps its layer's shapes with 64 of its 256 routed experts (a layer fits in a
 benchmark host's memory; at batch 1-16 a token touches as many experts either way).
 
-Per configuration: the step's median time, tokens/s, and the speedup of each deferral against none;
+Per configuration: the step's median time, tokens/s, and the speedup of each deferral against none
+(every batch defers here, whatever the layer's default limit); per hot share, the largest batch up
+to which deferral pays (`--kt-deferral-max-batch`);
 per batch and hot share, the GPU part alone (the step without the engine), the CPU part alone (the
 engine's cold experts of the same routing) and their overlap,
 (gpu + cpu - step) / min(gpu, cpu): 1 when the shorter part hides entirely, 0 when they take turns.
@@ -181,11 +183,33 @@ def build_moe(sources, hot: float, deferral: int, device: str) -> list[HybridMoE
         slot_of = torch.full((E,), -1)
         slot_of[:n_hot] = torch.arange(n_hot)
         w13 = torch.cat([gate[:n_hot], up[:n_hot]], 1).to(device)
-        layers.append(
-            HybridMoELayer(experts, slot_of.to(device), w13, down[:n_hot].to(device), chain, deferral)
-        )
+        layer = HybridMoELayer(
+            experts,
+            slot_of.to(device),
+            w13,
+            down[:n_hot].to(device),
+            chain,
+            deferral,
+            deferral_max_tokens=None,
+        )  # every batch defers: this measures where deferral pays
+        layers.append(layer)
     HybridMoELayer.link(layers)
     return layers
+
+
+def deferral_pays_up_to(rows: list[dict], hot: float, margin: float = 1.02) -> int:
+    """The largest batch up to which, batch by batch, some deferral beats none by ``margin``
+    (0: not even the smallest); `--kt-deferral-max-batch` for this hot share."""
+    best = {}
+    for r in rows:
+        if r["hot_fraction"] == hot and r["deferral"] > 0:
+            best[r["batch"]] = max(best.get(r["batch"], 0.0), r["speedup"])
+    limit = 0
+    for batch in sorted(best):
+        if best[batch] < margin:
+            break
+        limit = batch
+    return limit
 
 
 def timed(fn, repeats: int, cuda: bool) -> float:
@@ -304,6 +328,7 @@ def main() -> None:
         "torch_threads": reserved_cores(),
         "rows": rows,
         "parts": parts,
+        "deferral_pays_up_to": {str(hot): deferral_pays_up_to(rows, hot) for hot in args.hot},
     }
     print(
         f"{args.layers} {args.model} layers, context {args.context}, {args.method}, {physical_cores()} cores "
@@ -327,6 +352,8 @@ def main() -> None:
             f"| {part['batch']} | {part['hot_fraction'] * 100:.0f}% | " + " | ".join(cells)
             + f" | {part['gpu_ms']:.2f} | {part['cpu_ms']:.2f} | {part['overlap']:.2f} |"
         )  # fmt: skip
+    pays = ", ".join(f"{float(h) * 100:.0f}% hot: {b}" for h, b in result["deferral_pays_up_to"].items())
+    print(f"deferral pays (x1.02 or more) up to batch: {pays}")
     if args.out:
         args.out.write_text(json.dumps(result, indent=2))
 

@@ -35,6 +35,8 @@ def test_decode_step_benchmark_on_the_cpu_device(tmp_path):
     assert points == {(b, h, d) for b in (1, 4) for h in (0.0, 0.1, 0.25) for d in (0, 1, 2)}
     assert all(row["step_ms"] > 0 and row["tokens_per_s"] > 0 for row in r["rows"])
     assert all(p["gpu_ms"] > 0 and p["cpu_ms"] > 0 for p in r["parts"]) and len(r["parts"]) == 6
+    assert set(r["deferral_pays_up_to"]) == {"0.0", "0.1", "0.25"}
+    assert all(b in (0, 1, 4) for b in r["deferral_pays_up_to"].values())
 
 
 @pytest.mark.slow

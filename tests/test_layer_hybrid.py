@@ -57,7 +57,7 @@ def test_split_matches_definition(max_deferred):
     assert torch.equal(split.hot_ids, torch.where(expected_hot >= 0, slot_of[expected_hot.clamp_min(0)], -1))
 
 
-def build_stack(hot_sets, max_deferred, method="BF16"):
+def build_stack(hot_sets, max_deferred, method="BF16", deferral_max_tokens=None):
     chain = DeferralChain()
     layers, full = [], []
     for n, hot in enumerate(hot_sets):
@@ -70,7 +70,7 @@ def build_stack(hot_sets, max_deferred, method="BF16"):
             slot_of[e] = s
         w13 = torch.cat([gate, up], 1)[hot_ids].bfloat16() if hot_ids else torch.zeros(0, 2 * I, H)
         w2 = down[hot_ids].bfloat16() if hot_ids else torch.zeros(0, H, I)
-        layers.append(HybridMoELayer(experts, slot_of, w13, w2, chain, max_deferred))
+        layers.append(HybridMoELayer(experts, slot_of, w13, w2, chain, max_deferred, deferral_max_tokens))
         full.append((gate.bfloat16(), up.bfloat16(), down.bfloat16()))
     HybridMoELayer.link(layers)
     return layers, full
@@ -167,3 +167,33 @@ def test_hot_cold_and_deferred_parts_are_added_in_fp32_and_rounded_once():
     deferred = layers[0].experts.forward(x, deferred_ids, w0)
     assert hot.dtype == cold.dtype == deferred.dtype == torch.float32
     assert torch.equal(y, (hot + cold + deferred).bfloat16())
+
+
+def test_batches_above_the_deferral_limit_defer_nothing():
+    """deferral_max_tokens=4: four tokens defer (layer 1 adds layer 0's deferred experts), five do
+    not (each layer is the plain MoE of its input); the default limit is one token."""
+    for tokens, defers in ((4, True), (5, False)):
+        layers, full = build_stack([set(), set()], max_deferred=2, deferral_max_tokens=4)
+        x = make_hidden(tokens, H)
+        routes = [make_routing(tokens, E, K, seed=90 + n) for n in range(2)]
+        outputs = [layers[0](x, *routes[0])]
+        outputs.append(layers[1](outputs[0], *routes[1]))
+        assert_layers_match_reference(
+            [set(), set()], 2 if defers else 0, full, [x, outputs[0]], outputs, routes
+        )
+        assert (layers[0].chain._producer is None) and layers[0].deferral_max_tokens == 4
+    experts = layers[0].experts
+    layer = HybridMoELayer(
+        experts, torch.full((E,), -1), torch.zeros(0, 2 * I, H), torch.zeros(0, H, I), DeferralChain()
+    )
+    assert layer.deferral_max_tokens == 1
+    with pytest.raises(ValueError, match="deferral_max_tokens must be None or >= 0"):
+        HybridMoELayer(
+            experts,
+            torch.full((E,), -1),
+            torch.zeros(0, 2 * I, H),
+            torch.zeros(0, H, I),
+            DeferralChain(),
+            1,
+            -1,
+        )

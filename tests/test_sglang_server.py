@@ -355,6 +355,7 @@ def _launch_error(args: list[str]) -> subprocess.CompletedProcess:
         (["--kt-method", "INT3"], "unknown method 'INT3'"),
         (["--kt-num-gpu-experts", "9"], "--kt-num-gpu-experts 9 is more than the model's 8 experts"),
         (["--kt-max-deferred-experts-per-token", "2"], "use 0..1"),
+        (["--kt-deferral-max-batch", "-1"], "--kt-deferral-max-batch -1: use 0 or more"),
         (["--kt-threadpool-count", "2"], "NUMA node(s); use 1..1"),
         (["--kt-expert-placement-strategy", "frequency"], "frequency needs --kt-placement-stats"),
         (["--kt-numa-nodes", "7"], "--kt-numa-nodes names node(s) [7] that this machine lacks"),

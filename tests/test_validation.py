@@ -379,3 +379,21 @@ def test_engine_threads_leave_room_for_the_serving_process(tmp_path, monkeypatch
     if cores > pools.serving_threads():
         with pytest.warns(UserWarning, match=f"--kt-cpuinfer {cores} leaves fewer than"):
             settings("--kt-cpuinfer", str(cores))
+
+
+def test_deferral_max_batch_reaches_the_layer_default(tmp_path):
+    """--kt-deferral-max-batch: left out, the layer's default applies; given, it is kept."""
+    from kt_sglang.layer.hybrid import DEFERRAL_MAX_TOKENS
+    from kt_sglang.sglang.settings import early_server_args, resolve, split_argv
+    from kt_sglang.tiny_model import write_tiny_moe
+
+    model = write_tiny_moe(tmp_path / "m")
+
+    def settings(*flags: str):
+        argv = ["--model-path", str(model), "--kt-weight-path", str(model), "--kt-method", "BF16"]
+        argv += ["--kt-cpuinfer", "1", *flags]
+        extra, rest = split_argv(argv)
+        return resolve(early_server_args(rest), extra, argv)
+
+    assert settings().deferral_max_batch is None and DEFERRAL_MAX_TOKENS == 1
+    assert settings("--kt-deferral-max-batch", "8").deferral_max_batch == 8

@@ -53,10 +53,19 @@ def _stream_of(hidden: torch.Tensor) -> torch.cuda.Stream | None:
     return torch.cuda.current_stream(hidden.device) if hidden.is_cuda else None
 
 
+# Batches of more tokens defer nothing by default. Measured on an H100 + Emerald Rapids host (MoE
+# layers alone, docs/hardware-validation.md): deferral never paid at 128 tokens (x0.72-0.88) and paid
+# at one token in one of two runs (up to x1.57); bench/bench_decode_step.py reports, per hot share,
+# the largest batch where it pays (`deferral_pays_up_to`) on a model-shaped step.
+DEFERRAL_MAX_TOKENS = 1
+
+
 class HybridMoELayer(torch.nn.Module):
     """experts: the CPU engine's layer (all experts loaded); gpu_slot_of ``[E]``: the GPU slot of
     each hot expert, -1 for cold ones; w13 ``[S, 2I, H]`` / w2 ``[S, H, I]``: the hot experts' weights
-    by slot; chain: shared by the model's MoE layers."""
+    by slot; chain: shared by the model's MoE layers; deferral_max_tokens: the largest batch that
+    defers (above it the deferred task would only add a dispatch and a second pass over weights the
+    immediate task reads; None: every batch)."""
 
     def __init__(
         self,
@@ -66,6 +75,7 @@ class HybridMoELayer(torch.nn.Module):
         w2: torch.Tensor,
         chain: DeferralChain,
         max_deferred_experts_per_token: int = 0,
+        deferral_max_tokens: int | None = DEFERRAL_MAX_TOKENS,
     ) -> None:
         super().__init__()
         E, k = experts.num_experts, experts.num_experts_per_tok
@@ -76,6 +86,8 @@ class HybridMoELayer(torch.nn.Module):
             raise ValueError(f"{slots} hot experts but w13 / w2 hold {w13.shape[0]} / {w2.shape[0]} slots")
         if not 0 <= max_deferred_experts_per_token < max(k, 1):
             raise ValueError(f"max_deferred_experts_per_token must be in [0, {k - 1}]")
+        if deferral_max_tokens is not None and deferral_max_tokens < 0:
+            raise ValueError(f"deferral_max_tokens must be None or >= 0, got {deferral_max_tokens}")
         self.experts = experts
         # The engine's partial sums stay fp32 until they meet the hot ones: one rounding per layer.
         experts.output_dtype = torch.float32
@@ -83,6 +95,7 @@ class HybridMoELayer(torch.nn.Module):
         self.w13, self.w2 = w13, w2
         self.chain = chain
         self.max_deferred = max_deferred_experts_per_token
+        self.deferral_max_tokens = deferral_max_tokens
         self.next_moe: HybridMoELayer | None = None  # set by link()
 
     @staticmethod
@@ -110,7 +123,10 @@ class HybridMoELayer(torch.nn.Module):
         default; under a CUDA graph captured at a larger size, the replay's real batch size."""
         stream = _stream_of(hidden)
         self.chain.drop_stale(self, hidden)  # before our own deferred submission reuses the buffers
-        max_deferred = self.max_deferred if self.next_moe is not None else 0
+        defers = self.next_moe is not None and (
+            self.deferral_max_tokens is None or hidden.shape[0] <= self.deferral_max_tokens
+        )  # a CUDA graph captures one batch size: the choice is fixed per graph
+        max_deferred = self.max_deferred if defers else 0
         split = split_routing(topk_ids, topk_weights, self.gpu_slot_of, max_deferred)
         self.experts.submit_forward(hidden, split.cold_ids, topk_weights, stream, num_tokens=num_tokens)
         # Without host syncs on CUDA (graph capture): submit the deferred task even when it is empty.

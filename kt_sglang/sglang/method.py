@@ -17,7 +17,7 @@ from sglang.srt.layers.quantization.base_config import FusedMoEMethodBase
 
 from kt_sglang.engine.activation import SILU, Glu
 from kt_sglang.engine.wrapper import KTMoEWrapper
-from kt_sglang.layer.hybrid import DeferralChain, HybridMoELayer
+from kt_sglang.layer.hybrid import DEFERRAL_MAX_TOKENS, DeferralChain, HybridMoELayer
 from kt_sglang.placement import PlacementStats, StatsRecorder, plan_hot_experts, slot_map
 from kt_sglang.sglang.settings import KtSettings, model_facts
 
@@ -89,7 +89,16 @@ class _SGLangHybridLayer(HybridMoELayer):
             # None hot, or (on CUDA) the GPU method keeps them in a layout of its own (SGLang's
             # triton_kernels MXFP4 replaces both after loading): its apply() reads them, not ours.
             w13 = w2 = torch.zeros(method.num_hot, 0, 0)
-        super().__init__(method.wrapper, method.gpu_slot_of, w13, w2, chain, method.max_deferred)
+        limit = method.settings.deferral_max_batch
+        super().__init__(
+            method.wrapper,
+            method.gpu_slot_of,
+            w13,
+            w2,
+            chain,
+            method.max_deferred,
+            DEFERRAL_MAX_TOKENS if limit is None else limit,
+        )
         self.method = method
         self.fused_moe = fused_moe
         self.dispatch_output = None  # set per call by the method

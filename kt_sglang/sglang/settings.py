@@ -38,6 +38,7 @@ class KtSettings:
     placement_stats: str | None
     record_placement_stats: str | None
     expert_lora_path: str | None = None
+    deferral_max_batch: int | None = None  # None: the layer's default (DEFERRAL_MAX_TOKENS)
 
     def to_env(self) -> None:
         os.environ[ENV_VAR] = json.dumps(asdict(self))
@@ -85,6 +86,13 @@ def add_extra_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGrou
         default=None,
         help="a PEFT adapter directory of the routed experts (kt-sglang finetune writes one): merged into "
         "the CPU and GPU experts' weights at load",
+    )
+    parser.add_argument(
+        "--kt-deferral-max-batch",
+        type=int,
+        default=None,
+        help="the largest batch (tokens) whose cold experts are deferred; larger ones defer none "
+        "(default 1: where deferral was measured to pay; bench/bench_decode_step.py measures it)",
     )
     parser.add_argument(
         "--kt-record-placement-stats",
@@ -241,6 +249,8 @@ def resolve(server_args, extra: argparse.Namespace, argv: list[str]) -> KtSettin
     deferred = server_args.kt_max_deferred_experts_per_token or 0
     if deferred < 0:
         raise KtSettingsError(f"--kt-max-deferred-experts-per-token {deferred}: use 0 or more")
+    if extra.kt_deferral_max_batch is not None and extra.kt_deferral_max_batch < 0:
+        raise KtSettingsError(f"--kt-deferral-max-batch {extra.kt_deferral_max_batch}: use 0 or more")
     if extra.kt_expert_placement_strategy == "frequency" and not extra.kt_placement_stats:
         raise KtSettingsError("--kt-expert-placement-strategy frequency needs --kt-placement-stats FILE")
     settings = KtSettings(
@@ -256,6 +266,7 @@ def resolve(server_args, extra: argparse.Namespace, argv: list[str]) -> KtSettin
         placement_stats=extra.kt_placement_stats,
         record_placement_stats=extra.kt_record_placement_stats,
         expert_lora_path=extra.kt_expert_lora_path,
+        deferral_max_batch=extra.kt_deferral_max_batch,
     )
     check_against_model(settings, server_args.model_path)
     if settings.expert_lora_path:
