@@ -23,14 +23,3 @@ def hot_moe_torch(
         h = (torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]).to(w2.dtype)
         out.index_add_(0, tok, torch.nn.functional.linear(h, w2[s]).float() * weights[tok, j, None].float())
     return out
-
-
-def hot_moe(
-    hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor
-) -> torch.Tensor:
-    """The Triton kernels on CUDA tensors, the torch version elsewhere."""
-    if hidden.is_cuda:
-        from kt_sglang.kernels.hot_moe_triton import hot_moe_triton
-
-        return hot_moe_triton(hidden, w13, w2, slot_ids, weights)
-    return hot_moe_torch(hidden, w13, w2, slot_ids, weights)

@@ -42,14 +42,3 @@ def split_routing_torch(
         cold_ids=torch.where(cold & ~deferred, ids, none),
         deferred_ids=torch.where(deferred, ids, none),
     )
-
-
-def split_routing(
-    topk_ids: torch.Tensor, topk_weights: torch.Tensor, gpu_slot_of: torch.Tensor, max_deferred: int
-) -> RoutingSplit:
-    """The Triton kernel on CUDA tensors, the torch version elsewhere."""
-    if topk_ids.is_cuda:
-        from kt_sglang.kernels.split_triton import split_routing_triton
-
-        return split_routing_triton(topk_ids, topk_weights, gpu_slot_of, max_deferred)
-    return split_routing_torch(topk_ids, topk_weights, gpu_slot_of, max_deferred)

@@ -18,8 +18,7 @@ from __future__ import annotations
 import torch
 
 from kt_sglang.engine.wrapper import KTMoEWrapper
-from kt_sglang.kernels.hot_moe import hot_moe
-from kt_sglang.kernels.split import split_routing
+from kt_sglang.kernels import hot_moe, split_routing
 
 
 class DeferralChain:
