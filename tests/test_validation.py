@@ -397,3 +397,16 @@ def test_deferral_max_batch_reaches_the_layer_default(tmp_path):
 
     assert settings().deferral_max_batch is None and DEFERRAL_MAX_TOKENS == 1
     assert settings("--kt-deferral-max-batch", "8").deferral_max_batch == 8
+
+
+def test_kt_kernel_inference_methods_are_accepted():
+    """kt-kernel's inference method names: all served but LLAMAFILE; MOE_INT4/MOE_INT8 (its general,
+    non-AMX kernels) select AMXINT4/AMXINT8, whose kernels run on every ISA."""
+    from kt_sglang.engine.methods import UNSUPPORTED_METHODS, Method, parse_method
+
+    kt_kernel = ["AMXINT4", "AMXINT8", "RAWINT4", "FP8", "BF16", "FP8_PERCHANNEL", "MOE_INT4", "MOE_INT8"]
+    assert {parse_method(name).value for name in kt_kernel} <= {m.value for m in Method}
+    assert parse_method("MOE_INT4") is Method.AMXINT4 and parse_method("moe_int8") is Method.AMXINT8
+    assert UNSUPPORTED_METHODS == ("LLAMAFILE",)
+    layer = new_layer(method="MOE_INT8")
+    assert layer.method is Method.AMXINT8

@@ -14,7 +14,7 @@ import torch
 from kt_sglang.engine.native import _native
 
 # Named by kt-kernel and accepted by SGLang's flag, not implemented by this engine.
-UNSUPPORTED_METHODS = ("LLAMAFILE", "MOE_INT4", "MOE_INT8")
+UNSUPPORTED_METHODS = ("LLAMAFILE",)
 
 _TABLE = _native.method_table()
 

@@ -75,7 +75,9 @@ struct CanonicalTensor {
 struct MethodTraits {
   Method method;
   const char* name;        // as in --kt-method
-  const char* aliases[2];  // accepted as well (any case), e.g. convert-cpu's int4; nullptr: unused
+  // Accepted as well (any case): convert-cpu's int4/int8, and kt-kernel's MOE_INT4/MOE_INT8 (its
+  // general, non-AMX kernels for the same weights; here every method runs on every ISA); nullptr: unused
+  const char* aliases[2];
   const char* summary;     // one line for --help and docs
   int default_group;       // K-values per scale group; BF16 has no scales (group = kKAlign)
   int allowed_groups[3];   // 0 = unused slot
@@ -128,7 +130,7 @@ inline constexpr MethodTraits kMethodTable[kNumMethods] = {
      .error_bound = 0.01f},
     {.method = Method::kInt8,
      .name = "AMXINT8",
-     .aliases = {"INT8", nullptr},
+     .aliases = {"INT8", "MOE_INT8"},
      .summary = "int8 weights, fp16 scale per group of K",
      .default_group = 64,
      .allowed_groups = {32, 64, 128},
@@ -146,7 +148,7 @@ inline constexpr MethodTraits kMethodTable[kNumMethods] = {
      .error_bound = 0.02f},
     {.method = Method::kInt4,
      .name = "AMXINT4",
-     .aliases = {"INT4", nullptr},
+     .aliases = {"INT4", "MOE_INT4"},
      .summary = "int4 weights, fp16 scale and min per group of K",
      .default_group = 64,
      .allowed_groups = {32, 64, 128},
