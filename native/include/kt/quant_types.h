@@ -74,13 +74,13 @@ struct CanonicalTensor {
 
 struct MethodTraits {
   Method method;
-  const char* name;        // as in --kt-method
+  const char* name;  // as in --kt-method
   // Accepted as well (any case): convert-cpu's int4/int8, and kt-kernel's MOE_INT4/MOE_INT8 (its
   // general, non-AMX kernels for the same weights; here every method runs on every ISA); nullptr: unused
   const char* aliases[2];
-  const char* summary;     // one line for --help and docs
-  int default_group;       // K-values per scale group; BF16 has no scales (group = kKAlign)
-  int allowed_groups[3];   // 0 = unused slot
+  const char* summary;    // one line for --help and docs
+  int default_group;      // K-values per scale group; BF16 has no scales (group = kKAlign)
+  int allowed_groups[3];  // 0 = unused slot
   // What gate/up and the down projection read. INT8 keeps a bf16 h: an int8 h raises its error from
   // 0.014 to 0.017 at groups of 64. INT4 takes int8: the same ~0.01 adds little to its own 0.14 in
   // quadrature, and its bf16-input kernel needs four vpdpwssd per 64 bytes of weights where the
