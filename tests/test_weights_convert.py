@@ -324,9 +324,11 @@ def test_rerun_after_a_kill_past_the_index_removes_the_leftovers(tmp_path, check
     for layer_file in per_layer.glob("layer-*.safetensors"):  # killed after the index, before the unlinks
         shutil.copy(layer_file, merged)
     (merged / "experts-00001-of-00001.safetensors.tmp").write_bytes(b"\0" * 2**20)
+    (merged / ".tmp9VtrPw").write_bytes(b"\0" * 2**20)  # safetensors' own, killed inside save_file
     r = convert(*convert_args(checkpoint, merged, "int4"))
     assert r.returncode == 0 and "0 layers converted, 2 already complete" in r.stdout, r.stderr
     assert "removed layer-00001.safetensors, left by an interrupted run" in r.stdout
+    assert "removed .tmp9VtrPw" in r.stdout
     assert digest(merged) == expected
 
 

@@ -20,6 +20,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import shutil
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -145,10 +146,19 @@ def expert_bytes(method: Method, group: int, H: int, I: int) -> int:
     return total
 
 
+# safetensors writes each file as `.tmp` + 6 random characters beside it, then renames it: a run
+# killed inside save_file leaves one behind.
+_SAFETENSORS_TEMP = re.compile(r"\.tmp[A-Za-z0-9]{6,12}")
+
+
 def clean_leftovers(directory: Path, manifest: Manifest) -> list[Path]:
-    """Removes what an interrupted run left: temporary files, and per-layer files already merged."""
+    """Removes what an interrupted run left: temporary files (ours and safetensors'), and per-layer
+    files already merged."""
     directory = Path(directory)
     removed = sorted(directory.glob("*.tmp"))
+    removed += sorted(
+        p for p in directory.glob(".tmp*") if _SAFETENSORS_TEMP.fullmatch(p.name) and p.is_file()
+    )
     if read_index(directory) is not None and all(
         layer_is_complete(directory, manifest, layer) for layer in manifest.moe_layers
     ):
