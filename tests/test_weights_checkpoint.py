@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -191,3 +195,35 @@ def test_checkpoint_errors(tmp_path):
         Checkpoint(path)
     with pytest.raises(ValueError, match="load_weights needs weight_path"):
         KTMoEWrapper(1, E, K, H, I, None, 2, 1, method="BF16").load_weights()
+
+
+def _without_root_override(code: str, cwd: Path) -> subprocess.CompletedProcess:
+    """Runs ``code`` where file modes apply: as another user, or as root without the capabilities
+    that bypass them (CI runs as root)."""
+    if os.geteuid() != 0:
+        cmd = [sys.executable, "-c", code]
+    else:
+        if shutil.which("setpriv") is None:
+            pytest.skip("needs setpriv (util-linux) to drop root's file-permission override")
+        cmd = ["setpriv", "--bounding-set=-dac_override,-dac_read_search", "--inh-caps=-all"]
+        cmd += [sys.executable, "-c", code]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=cwd)
+
+
+def test_unreadable_files_say_why(tmp_path):
+    """A shard without read permission is named with that reason (safetensors alone says "No such
+    file or directory"); a directory in a shard's place, as one."""
+    good = {QWEN["gate"].format(layer=1, expert=e): torch.zeros(I, H).bfloat16() for e in range(E)}
+    path = write_checkpoint(tmp_path / "locked", qwen_config(num_hidden_layers=2), good)
+    shard = path / "model.safetensors"
+    shard.chmod(0)
+    code = (
+        "from kt_sglang.weights.checkpoint import open_checkpoint\n"
+        f"try:\n    open_checkpoint({str(path)!r})\nexcept ValueError as exc:\n    print(exc)"
+    )
+    r = _without_root_override(code, tmp_path)
+    assert f"cannot read {shard}: permission denied (mode ----------" in r.stdout, r.stdout + r.stderr[-2000:]
+    shard.unlink()
+    shard.mkdir()
+    with pytest.raises(CheckpointError, match=f"cannot read {shard}: it is a directory"):
+        Checkpoint(path)

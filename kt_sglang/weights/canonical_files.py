@@ -32,6 +32,7 @@ from safetensors.torch import save_file
 from kt_sglang.engine.canonical import CanonicalMatrix, canonical_layout
 from kt_sglang.engine.methods import Method
 from kt_sglang.weights.checkpoint import CANONICAL_FORMAT as FORMAT
+from kt_sglang.weights.source import open_safetensors
 
 VERSION = 1
 MANIFEST = "kt_weights.json"
@@ -280,11 +281,8 @@ def verify_files(directory: Path, manifest: Manifest) -> None:
             raise ValueError(
                 f"{path} is missing: the conversion did not finish (rerun kt-sglang convert-cpu)"
             )
-        try:
-            with safe_open(str(path), framework="pt"):
-                pass
-        except Exception as exc:  # safetensors' own error type
-            raise ValueError(f"{path} is truncated or not safetensors ({exc}): convert again") from None
+        with open_safetensors(path, "convert again"):
+            pass
 
 
 def layer_is_complete(directory: Path, manifest: Manifest, layer: int) -> bool:
@@ -334,13 +332,7 @@ def read_layer(
     H, I = manifest.hidden_size, manifest.intermediate_size
     shapes = {"gate": (I, H), "up": (I, H), "down": (H, I)}
     out: dict[str, list[CanonicalMatrix]] = {p: [] for p in PROJECTIONS}
-    try:
-        handle = safe_open(str(path), framework="pt")
-    except Exception as exc:  # safetensors' own error type, or the OS's (permissions)
-        raise ValueError(
-            f"cannot read {path} (truncated, not safetensors or unreadable: {exc}): convert again"
-        ) from None
-    with handle as f:
+    with open_safetensors(path, "convert again") as f:
         names = set(f.keys())
         for e in experts:
             for proj in PROJECTIONS:

@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from safetensors import safe_open
 
 from kt_sglang.weights import int4_checkpoint, mxfp4_checkpoint, nvfp4_checkpoint
 from kt_sglang.weights.families import ModelFamily, family_for
+from kt_sglang.weights.source import CheckpointError, open_safetensors
 
 # The format name in the manifest, shards and index that `kt-sglang convert-cpu` writes (canonical_files).
 CANONICAL_FORMAT = "kt-sglang-experts"
@@ -30,10 +30,6 @@ _PREFIXES = ("", "language_model.", "model.language_model.")
 
 # Block size of FP8 checkpoints that do not say (DeepSeek-V3, Qwen3-FP8, MiniMax-M2 all use 128 x 128).
 FP8_BLOCK = 128
-
-
-class CheckpointError(ValueError):
-    """The checkpoint does not hold what the model needs; the message names file and tensor."""
 
 
 @dataclass(frozen=True)
@@ -106,10 +102,7 @@ class Checkpoint:
     def _open(self, shard: Path):
         handle = self._handles.get(shard) if hasattr(self, "_handles") else None
         if handle is None:
-            try:
-                handle = safe_open(str(shard), framework="pt")
-            except Exception as exc:  # safetensors raises its own error types for truncated files
-                raise CheckpointError(f"cannot read {shard} (truncated or not safetensors): {exc}") from exc
+            handle = open_safetensors(shard)
             if hasattr(self, "_handles"):
                 self._handles[shard] = handle
         return handle
