@@ -7,6 +7,9 @@ from kt_sglang.engine.methods import METHODS, Method, parse_method
 from kt_sglang.engine.pools import PoolLayout, SharedRunner, plan_pools, selected_isa
 from kt_sglang.engine.wrapper import KTMoEWrapper
 
+# KTMoEWrapper(mode="sft") builds the fine-tuning layer, which registers itself on import.
+from kt_sglang.engine import sft  # noqa: E402, F401  isort: skip
+
 __all__ = [
     "Glu",
     "KTMoEWrapper",

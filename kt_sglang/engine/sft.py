@@ -343,3 +343,6 @@ class SFTMoEWrapper(KTMoEWrapper):
     def drain(self) -> None:
         self._sft.drain()
         super().drain()
+
+
+KTMoEWrapper._modes["sft"] = SFTMoEWrapper

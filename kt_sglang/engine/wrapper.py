@@ -75,16 +75,17 @@ class KTMoEWrapper:
 
     _capture_batch_sizes: tuple[int, ...] = ()
     _instances: weakref.WeakSet[KTMoEWrapper] = weakref.WeakSet()
+    # mode -> class; the fine-tuning module adds "sft" when the package imports it (it builds on
+    # this class, so this module does not import it)
+    _modes: dict[str, type[KTMoEWrapper]] = {}
 
     def __new__(cls, *args, mode: str = "inference", **kwargs):
         """``mode="sft"`` builds the fine-tuning layer (kt_sglang.engine.sft.SFTMoEWrapper)."""
-        if mode not in ("inference", "sft"):
-            raise ValueError(f"Unknown mode: {mode!r}. Supported modes: 'inference', 'sft'")
-        if mode == "sft" and cls is KTMoEWrapper:
-            from kt_sglang.engine.sft import SFTMoEWrapper
-
-            cls = SFTMoEWrapper
-        return super().__new__(cls)
+        modes = {"inference": KTMoEWrapper, **KTMoEWrapper._modes}
+        if mode not in modes:
+            supported = ", ".join(repr(m) for m in modes)
+            raise ValueError(f"Unknown mode: {mode!r}. Supported modes: {supported}")
+        return super().__new__(modes[mode] if cls is KTMoEWrapper else cls)
 
     def __init__(
         self,

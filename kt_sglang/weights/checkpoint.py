@@ -139,7 +139,7 @@ class Checkpoint:
         except Exception as exc:
             raise CheckpointError(f"cannot read tensor {name} from {shard.name}: {exc}") from exc
 
-    def _resolve(self, pattern: str, **kw) -> str | None:
+    def resolve(self, pattern: str, **kw) -> str | None:
         for prefix in _PREFIXES:
             name = prefix + pattern.format(**kw)
             if prefix == "model.language_model." and name.startswith("model.language_model.model."):
@@ -148,7 +148,7 @@ class Checkpoint:
                 return name
         return None
 
-    def _where(self, name: str) -> str:
+    def where(self, name: str) -> str:
         return f"{name} in {self._files[name].name}" if name in self._files else name
 
     def _config_block(self) -> tuple[int, int]:
@@ -169,7 +169,7 @@ class Checkpoint:
             return dequantize(method, mxfp4_checkpoint.read_expert(self, name, (N, K)), K)
         if not is_float8(w.dtype):
             raise CheckpointError(
-                f"tensor {self._where(name)} has dtype {w.dtype}; expected bf16, fp16, fp32 or fp8 e4m3"
+                f"tensor {self.where(name)} has dtype {w.dtype}; expected bf16, fp16, fp32 or fp8 e4m3"
             )
         bn, bk = self._config_block()
         scale_name, kind = self._fp8_scale_name(name, w)
@@ -186,12 +186,12 @@ class Checkpoint:
         naming, or a ``{name}_scale`` of the block shape) or "channel" (any other ``{name}_scale``)."""
         if w.dtype != torch.float8_e4m3fn:
             raise CheckpointError(
-                f"tensor {self._where(name)} has dtype {w.dtype}; FP8 weights must be float8_e4m3fn "
+                f"tensor {self.where(name)} has dtype {w.dtype}; FP8 weights must be float8_e4m3fn "
                 "(e4m3fnuz and e5m2 are not read as they are: convert the checkpoint to float8_e4m3fn "
                 "or bf16 first)"
             )
         if w.dim() != 2:
-            raise CheckpointError(f"tensor {self._where(name)} has shape {list(w.shape)}; expected 2-D")
+            raise CheckpointError(f"tensor {self.where(name)} has shape {list(w.shape)}; expected 2-D")
         inv, channel = name + "_scale_inv", name + "_scale"
         if inv in self._files:
             return inv, "block"
@@ -210,7 +210,7 @@ class Checkpoint:
         N, K = w.shape
         bn, bk = block
         scale = self.tensor(scale_name)
-        where = self._where(scale_name)
+        where = self.where(scale_name)
         if scale.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise CheckpointError(
                 f"scales {where} have dtype {scale.dtype}; expected float32, bfloat16 or float16"
@@ -289,7 +289,7 @@ class Checkpoint:
         if not gate:
             return False
         return bool(
-            self._resolve(gate, layer=layer, expert=expert)
+            self.resolve(gate, layer=layer, expert=expert)
             or int4_checkpoint.base_name(self, gate, layer=layer, expert=expert)
             or nvfp4_checkpoint.base_name(self, gate, layer=layer, expert=expert)
         )
@@ -305,7 +305,7 @@ class Checkpoint:
                 method = method_for_format(nvfp4_checkpoint.FORMAT)
                 mats.append(dequantize(method, nvfp4_checkpoint.read_expert(self, nv, shape), shape[1]))
                 continue
-            name = self._resolve(pattern, layer=layer, expert=e)
+            name = self.resolve(pattern, layer=layer, expert=e)
             base = None if name else int4_checkpoint.base_name(self, pattern, layer=layer, expert=e)
             if base is not None:  # an INT4 checkpoint read by a method that quantizes: its values in fp32
                 fmt = int4_checkpoint.detect_format(self, base + ".weight")
@@ -355,20 +355,20 @@ class Checkpoint:
         from kt_sglang.engine.canonical import CanonicalMatrix
         from kt_sglang.engine.methods import METHODS
 
-        name = self._resolve(pattern, layer=layer, expert=expert)
+        name = self.resolve(pattern, layer=layer, expert=expert)
         if name is None:
             missing = pattern.format(layer=layer, expert=expert)
             raise CheckpointError(f"expert tensor {missing} is missing from {self.path}")
         kind, block = self._fp8_kind(method)
         w = self.tensor(name)
         if tuple(w.shape) != shape:
-            raise CheckpointError(f"{self._where(name)} has shape {list(w.shape)}; expected {list(shape)}")
+            raise CheckpointError(f"{self.where(name)} has shape {list(w.shape)}; expected {list(shape)}")
         scale_name, found = self._fp8_scale_name(name, w)
         if found != kind:
             fits = [m.value for m in METHODS if self._fp8_kind_or_none(m) == found]
             what = "one scale per output channel" if found == "channel" else "block scales"
             raise CheckpointError(
-                f"{self._where(name)} is FP8 with {what} ({scale_name}); {method.value} needs "
+                f"{self.where(name)} is FP8 with {what} ({scale_name}); {method.value} needs "
                 f"{'per-channel' if kind == 'channel' else 'block'} scales: use "
                 f"{' or '.join(fits) or 'a method that quantizes'} for this checkpoint"
             )
@@ -434,7 +434,7 @@ class Checkpoint:
         """The stored dtype of the layer's expert weights (before any dequantization; int32 for the
         packed INT4 formats)."""
         fam = self.family
-        name = self._resolve(fam.experts["gate"], layer=layer, expert=0) if fam.experts else None
+        name = self.resolve(fam.experts["gate"], layer=layer, expert=0) if fam.experts else None
         nv = fam.experts and nvfp4_checkpoint.base_name(self, fam.experts["gate"], layer=layer, expert=0)
         if nv:
             name = nv + (".weight" if self.has(nv + ".weight") else ".weight_packed")
@@ -442,9 +442,9 @@ class Checkpoint:
             base = int4_checkpoint.base_name(self, fam.experts["gate"], layer=layer, expert=0)
             fmt = base and int4_checkpoint.detect_format(self, base + ".weight")
             name = fmt and f"{base}.{int4_checkpoint.packed_suffix(fmt)}"
-        name = name or self._resolve(fam.fused_experts.get("gate_up", ""), layer=layer)
+        name = name or self.resolve(fam.fused_experts.get("gate_up", ""), layer=layer)
         if name is None and fam.fused_mxfp4:
-            name = self._resolve(fam.fused_mxfp4["gate_up"] + "_blocks", layer=layer)
+            name = self.resolve(fam.fused_mxfp4["gate_up"] + "_blocks", layer=layer)
         if name is None:
             raise CheckpointError(f"layer {layer}: no expert tensors in {self.path}")
         return self.tensor(name).dtype  # memory-mapped: reading one tensor's dtype is cheap
@@ -460,7 +460,7 @@ class Checkpoint:
         base = fam.experts and int4_checkpoint.base_name(self, fam.experts["gate"], layer=layer, expert=0)
         if base:
             return int4_checkpoint.detect_format(self, base + ".weight")
-        gate = fam.experts and self._resolve(fam.experts["gate"], layer=layer, expert=0)
+        gate = fam.experts and self.resolve(fam.experts["gate"], layer=layer, expert=0)
         if gate and mxfp4_checkpoint.is_packed(self, gate):
             return mxfp4_checkpoint.FORMAT
         return "fp8" if is_float8(self.expert_dtype(layer)) else "dense"
@@ -548,7 +548,7 @@ class Checkpoint:
             locate = functools.partial(nvfp4_checkpoint.base_name, self)
             read_one = functools.partial(nvfp4_checkpoint.read_expert, self)
         elif fmt == mxfp4_checkpoint.FORMAT:
-            locate = self._resolve
+            locate = self.resolve
             read_one = functools.partial(mxfp4_checkpoint.read_expert, self)
         else:
             locate = functools.partial(int4_checkpoint.base_name, self)
@@ -582,7 +582,7 @@ class Checkpoint:
     def _fused_experts(self, layer: int, ids: list[int]):
         fam, spec = self.family, self.spec
         I, H = spec.intermediate_size, spec.hidden_size
-        names = {k: self._resolve(p, layer=layer) for k, p in fam.fused_experts.items()}
+        names = {k: self.resolve(p, layer=layer) for k, p in fam.fused_experts.items()}
         if not all(names.values()):
             pattern = fam.experts.get("gate", "").format(layer=layer, expert=0)
             raise CheckpointError(
@@ -600,14 +600,14 @@ class Checkpoint:
         w = self.tensor(name)
         if w.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise CheckpointError(
-                f"fused expert tensor {self._where(name)} has dtype {w.dtype}; expected bf16, fp16 or fp32"
+                f"fused expert tensor {self.where(name)} has dtype {w.dtype}; expected bf16, fp16 or fp32"
             )
         transposed = fam.fused_transposed(proj)
         expected = [E, inp, out] if transposed else [E, out, inp]
         if list(w.shape) != expected:
             other = " (the other orientation)" if list(w.shape) == [E, *expected[:0:-1]] else ""
             raise CheckpointError(
-                f"fused expert tensor {self._where(name)} has shape {list(w.shape)}{other}; expected "
+                f"fused expert tensor {self.where(name)} has shape {list(w.shape)}{other}; expected "
                 f"{expected} ({fam.fused_layout[proj]}: the layout configs/models/{fam.family}.json "
                 f"declares for model_type {self.config.get('model_type')!r}; E, H, I from config.json)"
             )

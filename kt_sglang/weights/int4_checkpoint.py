@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kt_sglang.weights.source import CheckpointError
+
 if TYPE_CHECKING:
     from kt_sglang.engine.canonical import CanonicalMatrix
     from kt_sglang.weights.checkpoint import Checkpoint
@@ -60,14 +62,13 @@ def detect_format(ckpt: Checkpoint, weight_name: str) -> str | None:
 def base_name(ckpt: Checkpoint, pattern: str, **kw) -> str | None:
     """The name prefix of one linear (``....gate_proj``) whose INT4 tensors the checkpoint holds."""
     for suffixes in _SUFFIXES.values():
-        name = ckpt._resolve(pattern.removesuffix(".weight") + "." + suffixes[0], **kw)
+        name = ckpt.resolve(pattern.removesuffix(".weight") + "." + suffixes[0], **kw)
         if name is not None:
             return name.removesuffix("." + suffixes[0])
     return None
 
 
 def _config_error(ckpt: Checkpoint, what: str):
-    from kt_sglang.weights.checkpoint import CheckpointError
 
     return CheckpointError(f"{ckpt.path / 'config.json'}: quantization_config {what}")
 
@@ -167,7 +168,6 @@ def _matches(pattern: str, module: str) -> bool:
 def read_matrix(ckpt: Checkpoint, base: str, scheme: Int4Scheme, shape: tuple[int, int]) -> CanonicalMatrix:
     """One linear ``[N, K]`` as RAWINT4 / GPTQ_INT4 canonical tensors, values unchanged."""
     from kt_sglang.engine.canonical import CanonicalMatrix
-    from kt_sglang.weights.checkpoint import CheckpointError
 
     N, K = shape
     g = scheme.group
@@ -181,7 +181,7 @@ def read_matrix(ckpt: Checkpoint, base: str, scheme: Int4Scheme, shape: tuple[in
         if t.dtype not in dtypes or tuple(t.shape) != expected:
             want = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
             raise CheckpointError(
-                f"{ckpt._where(name)} is {str(t.dtype).removeprefix('torch.')} {list(t.shape)}; "
+                f"{ckpt.where(name)} is {str(t.dtype).removeprefix('torch.')} {list(t.shape)}; "
                 f"expected {want} {list(expected)} (a [{N}, {K}] weight, groups of {g})"
             )
         return t
@@ -192,7 +192,7 @@ def read_matrix(ckpt: Checkpoint, base: str, scheme: Int4Scheme, shape: tuple[in
         shape_t = get("weight_shape", (torch.int32, torch.int64), (2,))
         if [int(v) for v in shape_t] != [N, K]:
             raise CheckpointError(
-                f"{ckpt._where(base + '.weight_shape')} says {[int(v) for v in shape_t]}; "
+                f"{ckpt.where(base + '.weight_shape')} says {[int(v) for v in shape_t]}; "
                 f"the model's config needs [{N}, {K}]"
             )
         packed = get("weight_packed", (torch.int32,), (N, K // 8))
@@ -209,7 +209,7 @@ def read_matrix(ckpt: Checkpoint, base: str, scheme: Int4Scheme, shape: tuple[in
         g_idx = get("g_idx", (torch.int32, torch.int64), (K,))
         if not torch.equal(g_idx.long(), torch.arange(K) // g):
             raise CheckpointError(
-                f"{ckpt._where(base + '.g_idx')} permutes the groups (GPTQ act-order, desc_act=true); "
+                f"{ckpt.where(base + '.g_idx')} permutes the groups (GPTQ act-order, desc_act=true); "
                 "GPTQ_INT4 reads checkpoints quantized with desc_act=false only"
             )
     _check_finite(ckpt, base + ".scales", scales)
@@ -229,10 +229,9 @@ def _nibbles(packed: torch.Tensor) -> torch.Tensor:
 
 
 def _check_finite(ckpt: Checkpoint, name: str, t: torch.Tensor) -> None:
-    from kt_sglang.weights.checkpoint import CheckpointError
 
     if not bool(torch.isfinite(t).all()):
-        raise CheckpointError(f"scales {ckpt._where(name)} hold NaN or infinite values")
+        raise CheckpointError(f"scales {ckpt.where(name)} hold NaN or infinite values")
 
 
 def dequantize(m: CanonicalMatrix, scheme: Int4Scheme, K: int) -> torch.Tensor:

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kt_sglang.weights.source import CheckpointError
+
 if TYPE_CHECKING:
     from kt_sglang.engine.canonical import CanonicalMatrix
     from kt_sglang.weights.checkpoint import Checkpoint
@@ -29,7 +31,6 @@ _CODE_DTYPES = tuple(
 
 
 def _error(message: str):
-    from kt_sglang.weights.checkpoint import CheckpointError
 
     return CheckpointError(message)
 
@@ -73,7 +74,7 @@ def read_expert(ckpt: Checkpoint, weight_name: str, shape: tuple[int, int]) -> C
     w = ckpt.tensor(weight_name)
     if w.dtype not in _CODE_DTYPES or tuple(w.shape) != (N, K // 2):
         raise _error(
-            f"{ckpt._where(weight_name)} is {w.dtype} {list(w.shape)}; MXFP4 expects packed e2m1 codes "
+            f"{ckpt.where(weight_name)} is {w.dtype} {list(w.shape)}; MXFP4 expects packed e2m1 codes "
             f"(uint8, int8 or float4_e2m1fn_x2) [{N}, {K // 2}]"
         )
     scale_name = weight_name.removesuffix(".weight") + ".scale"
@@ -82,16 +83,16 @@ def read_expert(ckpt: Checkpoint, weight_name: str, shape: tuple[int, int]) -> C
     s = ckpt.tensor(scale_name)
     if tuple(s.shape) != (N, K // BLOCK):
         raise _error(
-            f"scales {ckpt._where(scale_name)} have shape {list(s.shape)}; expected [{N}, {K // BLOCK}] "
+            f"scales {ckpt.where(scale_name)} have shape {list(s.shape)}; expected [{N}, {K // BLOCK}] "
             f"(one per {BLOCK} of the [{N}, {K}] weight)"
         )
-    scales = _checked_scales(e8m0_bytes(s, ckpt._where(scale_name)), ckpt._where(scale_name))
+    scales = _checked_scales(e8m0_bytes(s, ckpt.where(scale_name)), ckpt.where(scale_name))
     return CanonicalMatrix(w.contiguous().view(torch.uint8), scales.view(torch.float8_e8m0fnu))
 
 
 def _fused_prefix(ckpt: Checkpoint, layer: int, proj: str) -> str:
     pattern = ckpt.family.fused_mxfp4[proj]
-    name = ckpt._resolve(pattern + "_blocks", layer=layer)
+    name = ckpt.resolve(pattern + "_blocks", layer=layer)
     if name is None:
         missing = pattern.format(layer=layer) + "_blocks"
         raise _error(f"tensor {missing} is missing from {ckpt.path} (layer {layer}'s MXFP4 experts)")
@@ -120,7 +121,7 @@ def read_fused_layer(ckpt: Checkpoint, layer: int, ids: list[int]):
         blocks = ckpt.tensor(prefix + "_blocks")
         if blocks.dtype != torch.uint8 or tuple(blocks.shape) != (E, N, K // BLOCK, 16):
             raise _error(
-                f"{ckpt._where(prefix + '_blocks')} is {blocks.dtype} {list(blocks.shape)}; expected uint8 "
+                f"{ckpt.where(prefix + '_blocks')} is {blocks.dtype} {list(blocks.shape)}; expected uint8 "
                 f"[{E}, {N}, {K // BLOCK}, 16]"
             )
         scale_name = prefix + "_scales"
@@ -129,10 +130,10 @@ def read_fused_layer(ckpt: Checkpoint, layer: int, ids: list[int]):
         s = ckpt.tensor(scale_name)
         if tuple(s.shape) != (E, N, K // BLOCK):
             raise _error(
-                f"scales {ckpt._where(scale_name)} have shape {list(s.shape)}; "
+                f"scales {ckpt.where(scale_name)} have shape {list(s.shape)}; "
                 f"expected [{E}, {N}, {K // BLOCK}]"
             )
-        scales = _checked_scales(e8m0_bytes(s, ckpt._where(scale_name)), ckpt._where(scale_name))
+        scales = _checked_scales(e8m0_bytes(s, ckpt.where(scale_name)), ckpt.where(scale_name))
         out[proj] = (blocks[ids].reshape(len(ids), N, K // 2), scales[ids])
 
     def mats(pair, rows):
@@ -157,9 +158,9 @@ def read_fused_biases(ckpt: Checkpoint, layer: int, ids: list[int]):
         if ckpt.has(name):
             b = ckpt.tensor(name)
             if tuple(b.shape) != (E, N) or not b.dtype.is_floating_point:
-                raise _error(f"{ckpt._where(name)} is {b.dtype} {list(b.shape)}; expected float [{E}, {N}]")
+                raise _error(f"{ckpt.where(name)} is {b.dtype} {list(b.shape)}; expected float [{E}, {N}]")
             if not bool(torch.isfinite(b).all()):
-                raise _error(f"{ckpt._where(name)} holds NaN or infinite values")
+                raise _error(f"{ckpt.where(name)} holds NaN or infinite values")
             found[proj] = b[ids].float()
     gb = found["gate_up"]
     gate_rows, up_rows = _rows(ckpt)

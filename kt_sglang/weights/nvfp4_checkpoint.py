@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kt_sglang.weights.source import CheckpointError
+
 if TYPE_CHECKING:
     from kt_sglang.engine.canonical import CanonicalMatrix
     from kt_sglang.weights.checkpoint import Checkpoint
@@ -32,7 +34,6 @@ _LAYOUTS = {
 
 
 def _error(message: str):
-    from kt_sglang.weights.checkpoint import CheckpointError
 
     return CheckpointError(message)
 
@@ -41,7 +42,7 @@ def base_name(ckpt: Checkpoint, pattern: str, **kw) -> str | None:
     """The name prefix of one linear (``....gate_proj``) stored as NVFP4, or None."""
     prefix = pattern.removesuffix(".weight")
     for _, global_suffix, _ in _LAYOUTS.values():
-        name = ckpt._resolve(f"{prefix}.{global_suffix}", **kw)
+        name = ckpt.resolve(f"{prefix}.{global_suffix}", **kw)
         if name is not None:
             return name.removesuffix("." + global_suffix)
     return None
@@ -64,7 +65,7 @@ def read_expert(ckpt: Checkpoint, base: str, shape: tuple[int, int]) -> Canonica
         t = ckpt.tensor(name)
         if t.dtype != dtype or tuple(t.shape) != expected:
             raise _error(
-                f"{ckpt._where(name)} is {str(t.dtype).removeprefix('torch.')} {list(t.shape)}; "
+                f"{ckpt.where(name)} is {str(t.dtype).removeprefix('torch.')} {list(t.shape)}; "
                 f"expected {str(dtype).removeprefix('torch.')} {list(expected)} "
                 f"(a [{N}, {K}] weight, groups of {GROUP})"
             )
@@ -75,12 +76,10 @@ def read_expert(ckpt: Checkpoint, base: str, shape: tuple[int, int]) -> Canonica
     g = ckpt.tensor(f"{base}.{global_suffix}")
     if g.dtype != torch.float32 or g.numel() != 1:
         raise _error(
-            f"{ckpt._where(base + '.' + global_suffix)} is {g.dtype} {list(g.shape)}; expected one fp32"
+            f"{ckpt.where(base + '.' + global_suffix)} is {g.dtype} {list(g.shape)}; expected one fp32"
         )
     value = float(g.reshape(()))
     if not (value > 0 and torch.isfinite(g).all()):
-        raise _error(
-            f"{ckpt._where(base + '.' + global_suffix)} is {value}; expected a positive finite scale"
-        )
+        raise _error(f"{ckpt.where(base + '.' + global_suffix)} is {value}; expected a positive finite scale")
     global_scale = (1.0 / g.reshape(1)) if divides else g.reshape(1)
     return CanonicalMatrix(weight.contiguous(), scales.contiguous(), global_scale=global_scale.contiguous())
