@@ -197,3 +197,25 @@ def test_batches_above_the_deferral_limit_defer_nothing():
             1,
             -1,
         )
+
+
+def test_hot_experts_computed_by_the_callers_function():
+    """forward(..., hot=f): the hot part is what f returns for the split's slots (a serving
+    framework's own GPU kernels); the cold part is the engine's as before."""
+    layers, full = build_stack([set(range(0, E, 2))], max_deferred=0)
+    layer = layers[0]
+    x = make_hidden(9, H)
+    ids, weights = make_routing(9, E, K, seed=95)
+    calls = []
+
+    def hot(hidden, slot_ids, w):
+        calls.append(slot_ids.clone())
+        return 2 * layer.hot_forward(hidden, slot_ids, w)
+
+    doubled = layer(x, ids, weights, hot=hot)
+    split = split_routing_torch(ids, weights, layer.gpu_slot_of, 0)
+    assert len(calls) == 1 and torch.equal(calls[0], split.hot_ids)
+    expected = 2 * layer.hot_forward(x, split.hot_ids, weights) + layer.experts.forward(
+        x, split.cold_ids, weights
+    )
+    assert torch.equal(doubled, expected.bfloat16())

@@ -15,10 +15,16 @@ the torch twins and the engine directly.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from kt_sglang.engine.wrapper import KTMoEWrapper
 from kt_sglang.kernels import hot_moe, split_routing
+
+# hidden [T, H], slot_ids [T, k] (GPU slot of each hot selection, -1 elsewhere), weights [T, k]
+# -> fp32 [T, H]
+HotExperts = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class DeferralChain:
@@ -108,7 +114,7 @@ class HybridMoELayer(torch.nn.Module):
     def hot_forward(
         self, hidden: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
-        """The hot experts' fp32 output; a serving framework overrides this with its GPU kernels."""
+        """The hot experts' fp32 output from this layer's w13 / w2 (Triton on CUDA, torch elsewhere)."""
         return hot_moe(hidden, self.w13, self.w2, slot_ids, weights)
 
     def forward(
@@ -117,9 +123,12 @@ class HybridMoELayer(torch.nn.Module):
         topk_ids: torch.Tensor,
         topk_weights: torch.Tensor,
         num_tokens: torch.Tensor | None = None,
+        hot: HotExperts | None = None,
     ) -> torch.Tensor:
         """``num_tokens`` (int32 ``[1]`` on the device): rows the CPU engine computes, all by
-        default; under a CUDA graph captured at a larger size, the replay's real batch size."""
+        default; under a CUDA graph captured at a larger size, the replay's real batch size.
+        ``hot(hidden, slot_ids, weights)``: the hot experts' fp32 output (a serving framework's own
+        GPU kernels: the SGLang plugin passes SGLang's MoE method), `hot_forward` by default."""
         stream = _stream_of(hidden)
         self.chain.drop_stale(self, hidden)  # before our own deferred submission reuses the buffers
         defers = self.next_moe is not None and (
@@ -134,7 +143,7 @@ class HybridMoELayer(torch.nn.Module):
             self.experts.submit_forward(
                 hidden, split.deferred_ids, topk_weights, stream, deferred=True, num_tokens=num_tokens
             )
-        out = self.hot_forward(hidden, split.hot_ids, topk_weights)
+        out = (hot or self.hot_forward)(hidden, split.hot_ids, topk_weights)
         out += self.experts.sync_forward(hidden, stream)
         previous = self.chain.take(self, hidden)
         if previous is not None:

@@ -17,7 +17,7 @@ from sglang.srt.layers.quantization.base_config import FusedMoEMethodBase
 
 from kt_sglang.engine.activation import SILU, Glu
 from kt_sglang.engine.wrapper import KTMoEWrapper
-from kt_sglang.layer.hybrid import DEFERRAL_MAX_TOKENS, DeferralChain, HybridMoELayer
+from kt_sglang.layer.hybrid import DEFERRAL_MAX_TOKENS, DeferralChain, HotExperts, HybridMoELayer
 from kt_sglang.placement import PlacementStats, StatsRecorder, plan_hot_experts, slot_map
 from kt_sglang.sglang.settings import KtSettings, model_facts
 
@@ -80,44 +80,6 @@ def hot_experts_of_layer(settings: KtSettings, layer_idx: int, num_experts: int)
     return plan[layer_idx]
 
 
-class _SGLangHybridLayer(HybridMoELayer):
-    """The hybrid layer whose hot experts run through SGLang's wrapped GPU method."""
-
-    def __init__(self, method: KTEPWrapperMethod, fused_moe: torch.nn.Module, chain: DeferralChain) -> None:
-        w13, w2 = getattr(fused_moe, "w13_weight", None), getattr(fused_moe, "w2_weight", None)
-        if not method.num_hot or w13 is None or w2 is None:
-            # None hot, or (on CUDA) the GPU method keeps them in a layout of its own (SGLang's
-            # triton_kernels MXFP4 replaces both after loading): its apply() reads them, not ours.
-            w13 = w2 = torch.zeros(method.num_hot, 0, 0)
-        limit = method.settings.deferral_max_batch
-        super().__init__(
-            method.wrapper,
-            method.gpu_slot_of,
-            w13,
-            w2,
-            chain,
-            method.max_deferred,
-            DEFERRAL_MAX_TOKENS if limit is None else limit,
-        )
-        self.method = method
-        self.fused_moe = fused_moe
-        self.dispatch_output = None  # set per call by the method
-
-    def hot_forward(
-        self, hidden: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor
-    ) -> torch.Tensor:
-        if self.method.num_hot == 0:
-            return torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
-        if not hidden.is_cuda:
-            return super().hot_forward(hidden, slot_ids, weights)
-        topk = self.dispatch_output.topk_output
-        hot_topk = topk._replace(topk_ids=slot_ids.to(topk.topk_ids.dtype))
-        out = self.method.gpu_method.apply(
-            self.fused_moe, self.dispatch_output._replace(topk_output=hot_topk)
-        )
-        return out.hidden_states.float()
-
-
 class KTEPWrapperMethod(FusedMoEMethodBase):
     """SGLang's MoE method for one FusedMoE layer: hot experts through ``gpu_method``, cold ones on
     the CPU engine. Tensor parallelism is refused at startup (settings.py) until the CPU part runs on
@@ -132,7 +94,7 @@ class KTEPWrapperMethod(FusedMoEMethodBase):
         self.layer_idx = kt_config.layer_idx
         self.tp_rank = get_parallel().tp_rank
         self.wrapper: KTMoEWrapper | None = None
-        self.hybrid: _SGLangHybridLayer | None = None
+        self.hybrid: HybridMoELayer | None = None
         self.hot_experts: list[int] = []
         self.gpu_slot_of: torch.Tensor | None = None
         self.num_hot = 0
@@ -257,7 +219,21 @@ class KTEPWrapperMethod(FusedMoEMethodBase):
         """Builds the forward once the weights are final; the model's layers are then linked."""
         if self.wrapper is not None:
             self._check_hot_on_cpu(layer)
-            self.hybrid = _SGLangHybridLayer(self, layer, chain)
+            w13, w2 = getattr(layer, "w13_weight", None), getattr(layer, "w2_weight", None)
+            if not self.num_hot or w13 is None or w2 is None:
+                # None hot, or (on CUDA) the GPU method keeps them in a layout of its own (SGLang's
+                # triton_kernels MXFP4 replaces both after loading): its apply() reads them, not ours.
+                w13 = w2 = torch.zeros(self.num_hot, 0, 0)
+            limit = self.settings.deferral_max_batch
+            self.hybrid = HybridMoELayer(
+                self.wrapper,
+                self.gpu_slot_of,
+                w13,
+                w2,
+                chain,
+                self.max_deferred,
+                DEFERRAL_MAX_TOKENS if limit is None else limit,
+            )
 
     def _check_hot_on_cpu(self, layer: torch.nn.Module) -> None:
         """On the CPU device the hot experts run the hybrid layer's torch path (plain SiLU, gate and
@@ -321,10 +297,24 @@ class KTEPWrapperMethod(FusedMoEMethodBase):
             raise RuntimeError(f"kt-sglang: MoE layer {self.layer_idx} ran before its weights were attached")
         if _recorder is not None and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
             _recorder.add(self.layer_idx, topk.topk_ids)
-        self.hybrid.dispatch_output = dispatch_output
-        out = self.hybrid(x, topk.topk_ids, topk.topk_weights)
-        self.hybrid.dispatch_output = None
+        # On the CPU device the hybrid layer computes the hot experts itself (torch, checked by
+        # _check_hot_on_cpu); on a GPU, SGLang's method does.
+        hot = self._sglang_hot_experts(layer, dispatch_output) if x.is_cuda else None
+        out = self.hybrid(x, topk.topk_ids, topk.topk_weights, hot=hot)
         return StandardCombineInput(hidden_states=out)
+
+    def _sglang_hot_experts(self, layer: torch.nn.Module, dispatch_output) -> HotExperts:
+        """The hot experts through SGLang's wrapped GPU method, with the slots as its expert ids."""
+
+        def hot(hidden: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+            if self.num_hot == 0:
+                return torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+            topk = dispatch_output.topk_output
+            hot_topk = topk._replace(topk_ids=slot_ids.to(topk.topk_ids.dtype))
+            out = self.gpu_method.apply(layer, dispatch_output._replace(topk_output=hot_topk))
+            return out.hidden_states.float()
+
+        return hot
 
     def __getattr__(self, name: str):
         # SGLang reads the wrapped method's attributes through the wrapper (as upstream's does).
