@@ -410,3 +410,10 @@ def test_kt_kernel_inference_methods_are_accepted():
     assert UNSUPPORTED_METHODS == ("LLAMAFILE",)
     layer = new_layer(method="MOE_INT8")
     assert layer.method is Method.AMXINT8
+
+
+def test_fine_tuning_refuses_experts_held_elsewhere():
+    mask = torch.zeros(E, dtype=torch.bool)
+    mask[0] = True
+    with pytest.raises(ValueError, match="fine-tuning trains every expert on the CPU"):
+        KTMoEWrapper(0, E, K, H, I, mask, 1, 1, mode="sft", method="AMXBF16_SFT")

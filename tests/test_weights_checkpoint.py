@@ -227,3 +227,43 @@ def test_unreadable_files_say_why(tmp_path):
     shard.mkdir()
     with pytest.raises(CheckpointError, match=f"cannot read {shard}: it is a directory"):
         Checkpoint(path)
+
+
+@pytest.mark.parametrize("method", ["BF16", "AMXINT4"])
+def test_the_gpus_experts_are_neither_read_nor_held(tmp_path, method):
+    """gpu_experts_mask: the masked experts take no packed bytes, are not read from the checkpoint
+    (their tensors may be missing) nor from a converted directory, and are not computed; the rest
+    equal the float32 MoE. kt-kernel holds a CPU copy of every expert."""
+    from kt_sglang.weights.convert_cpu import main as convert_cpu
+
+    weights = make_weights(E, I, H, seed=8)
+    on_gpu = torch.zeros(E, dtype=torch.bool)
+    on_gpu[[1, 2, 5, 6]] = True
+    tensors = per_expert(QWEN, 1, weights)
+    full = write_checkpoint(tmp_path / "full", qwen_config(num_hidden_layers=2), dict(tensors))
+    for e in (1, 5):  # the GPU's copy is all a server with these experts hot needs
+        for proj in ("gate", "up", "down"):
+            del tensors[QWEN[proj].format(layer=1, expert=e)]
+    partial = write_checkpoint(tmp_path / "partial", qwen_config(num_hidden_layers=2), tensors)
+    converted = tmp_path / "converted"
+    args = ["--input-path", str(full), "--output", str(converted), "--quant-method", method]
+    assert convert_cpu(args) == 0
+    x = make_hidden(16, H)
+    ids, wts = make_routing(16, E, K, seed=9)
+    cold_ids = torch.where(on_gpu[ids], -1, ids)
+    ref = moe_reference(x, *(t.bfloat16() for t in weights), cold_ids, wts)
+    whole = KTMoEWrapper(1, E, K, H, I, None, 2, 1, weight_path=str(full), method=method)
+    whole.load_weights()
+    bound = 0.01 if method == "BF16" else 0.16
+    for path in (partial, converted):
+        w = KTMoEWrapper(1, E, K, H, I, on_gpu, 2, 1, weight_path=str(path), method=method)
+        w.load_weights()
+        assert w.packed_bytes * E == whole.packed_bytes * (E - int(on_gpu.sum()))
+        assert relative_error(w.forward(x, ids, wts), ref) <= bound
+    gate, up, down = (t.bfloat16() for t in weights)
+    dense = KTMoEWrapper(1, E, K, H, I, on_gpu, 2, 1, method=method)
+    gate[on_gpu] = float("nan")  # not read: NaN weights of a held expert are refused at load
+    dense.load_weights_from_tensors(gate, up, down)
+    assert relative_error(dense.forward(x, ids, wts), ref) <= bound
+    with pytest.raises(CheckpointError):
+        KTMoEWrapper(1, E, K, H, I, None, 2, 1, weight_path=str(partial), method=method).load_weights()

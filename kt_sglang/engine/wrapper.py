@@ -162,6 +162,8 @@ class KTMoEWrapper:
             activation.native_kind,
             activation.limit,
             activation.alpha,
+            # the GPU's experts get no packed weights here (kt-kernel keeps a CPU copy of every one)
+            self.gpu_experts_mask.to(torch.uint8).tolist() if self.gpu_experts_mask is not None else [],
         )
         self.activation = activation
         self.expert_lora_path = expert_lora_path
@@ -186,7 +188,8 @@ class KTMoEWrapper:
         """Quantizes (per ``method``) and packs dense expert weights on the pools.
 
         gate_proj, up_proj: ``[E_src, I, H]``; down_proj: ``[E_src, H, I]``; bf16, fp16 or fp32,
-        contiguous, on the CPU. Slot e takes source expert ``physical_to_logical_map[e]``.
+        contiguous, on the CPU. Slot e takes source expert ``physical_to_logical_map[e]``; the slots of
+        ``gpu_experts_mask`` are neither read nor held.
         """
         E, I, H = self.num_experts, self.moe_intermediate_size, self.hidden_size
         info = METHODS[self.method]
@@ -242,14 +245,17 @@ class KTMoEWrapper:
         up: list[CanonicalMatrix],
         down: list[CanonicalMatrix],
     ) -> None:
-        """Packs already-quantized canonical matrices (one per expert slot; see engine/canonical.py)."""
+        """Packs already-quantized canonical matrices (one per expert slot; see engine/canonical.py;
+        None, or anything, for the experts of ``gpu_experts_mask``: they are not read)."""
         E, I, H = self.num_experts, self.moe_intermediate_size, self.hidden_size
         ptrs = {}
         for name, mats, N, K in (("gate", gate, I, H), ("up", up, I, H), ("down", down, H, I)):
             if len(mats) != E:
                 raise ValueError(f"{name} has {len(mats)} matrices; num_experts is {E}")
             ptrs[name] = [
-                check_matrix(m, self.method, self.group_size, N, K, f"{name}[{e}]")
+                (0, 0, 0)
+                if not self.holds(e)
+                else check_matrix(m, self.method, self.group_size, N, K, f"{name}[{e}]")
                 for e, m in enumerate(mats)
             ]
         self._layer.load_canonical(ptrs["gate"], ptrs["up"], ptrs["down"])
@@ -306,6 +312,24 @@ class KTMoEWrapper:
         else:
             self._load_hf_checkpoint(physical_to_logical_map)
 
+    def holds(self, expert: int) -> bool:
+        """Whether this layer holds (packs, computes) expert slot ``expert``: not one of the GPU's."""
+        return self.gpu_experts_mask is None or not bool(self.gpu_experts_mask[expert])
+
+    def _read_plan(self, physical_to_logical_map, source_experts: int) -> tuple[list[int], list[int]]:
+        """(the source experts to read: those of the held slots, each once, in order; each slot's
+        position among them, 0 for a slot not held)"""
+        slots = self._slot_map(physical_to_logical_map, source_experts) or list(range(self.num_experts))
+        needed = sorted({s for e, s in enumerate(slots) if self.holds(e)})
+        position = {s: i for i, s in enumerate(needed)}
+        return needed, [position.get(s, 0) if self.holds(e) else 0 for e, s in enumerate(slots)]
+
+    def _load_read(self, mats, positions: list[int]) -> None:
+        """load_canonical of per-expert lists read for the held slots (positions from _read_plan)."""
+        self.load_canonical(
+            *([m[p] if self.holds(e) else None for e, p in enumerate(positions)] for m in mats)
+        )
+
     def _check_model(self, where: str, hidden: int, inter: int, experts: int, mapped: bool) -> None:
         from kt_sglang.weights.checkpoint import CheckpointError
 
@@ -337,9 +361,7 @@ class KTMoEWrapper:
         self._check_model(
             str(ckpt.path / "config.json"), spec.hidden_size, spec.intermediate_size, spec.num_experts, mapped
         )
-        slots = self._slot_map(physical_to_logical_map, spec.num_experts) or list(range(self.num_experts))
-        needed = sorted(set(slots))
-        position = {e: i for i, e in enumerate(needed)}
+        needed, positions = self._read_plan(physical_to_logical_map, spec.num_experts)
         # A method that reads the checkpoint's format takes its values as they are (no requantization);
         # from any other format the engine quantizes the dense (or dequantized) weights, if it can.
         info = METHODS[self.method]
@@ -359,16 +381,17 @@ class KTMoEWrapper:
                         f"{ckpt.path}: its experts are quantized in groups of {found}; this layer was "
                         f"built with group_size={self.group_size} (leave it unset to take the checkpoint's)"
                     )
-            mats = ckpt.layer_native_experts(self.layer_idx, needed, self.method)
-            self.load_canonical(*([m[position[e]] for e in slots] for m in mats))
+            self._load_read(ckpt.layer_native_experts(self.layer_idx, needed, self.method), positions)
+        elif in_layer and not needed:  # every expert on the GPU: nothing to read
+            self._load_read(([], [], []), positions)
         else:
             gate, up, down = ckpt.layer_experts(self.layer_idx, needed)
             if self.expert_lora_path:
                 gate, up, down = self._merge_adapter(needed, spec.num_experts, gate, up, down)
-            self.load_weights_from_tensors(gate, up, down, [position[e] for e in slots])
-        biases = ckpt.layer_biases(self.layer_idx, needed) if in_layer else (None, None, None)
+            self.load_weights_from_tensors(gate, up, down, positions)
+        biases = ckpt.layer_biases(self.layer_idx, needed) if in_layer and needed else (None, None, None)
         if any(b is not None for b in biases):
-            self.load_biases(*biases, physical_to_logical_map=[position[e] for e in slots])
+            self.load_biases(*biases, physical_to_logical_map=positions)
 
     def _merge_adapter(self, experts: list[int], num_experts: int, gate, up, down):
         """The experts' weights plus the adapter's scale * B A (float32), when it has this layer."""
@@ -402,11 +425,9 @@ class KTMoEWrapper:
             )
         mapped = physical_to_logical_map is not None
         self._check_model(where, m.hidden_size, m.intermediate_size, m.num_experts, mapped)
-        slots = self._slot_map(physical_to_logical_map, m.num_experts) or list(range(self.num_experts))
-        needed = sorted(set(slots))
+        needed, positions = self._read_plan(physical_to_logical_map, m.num_experts)
         mats = read_layer(directory, m, self.layer_idx, needed)
-        position = {e: i for i, e in enumerate(needed)}
-        self.load_canonical(*([mats[p][position[e]] for e in slots] for p in ("gate", "up", "down")))
+        self._load_read([mats[p] for p in ("gate", "up", "down")], positions)
 
     def _slot_map(self, physical_to_logical_map, source_experts: int) -> list[int]:
         if physical_to_logical_map is None:

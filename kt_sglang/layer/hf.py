@@ -50,10 +50,11 @@ def replace_experts(
     num_experts = getattr(cfg, "num_experts", None) or cfg.num_local_experts
     intermediate = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
     chain, hybrids = DeferralChain(), []
+    on_gpu = slot_map(list(range(hot)), num_experts) >= 0  # the engine neither reads nor holds them
     for i, block in enumerate(model.model.layers):
         fused = block.mlp.experts
         experts = KTMoEWrapper(
-            i, num_experts, cfg.num_experts_per_tok, cfg.hidden_size, intermediate, None, threads, 1,
+            i, num_experts, cfg.num_experts_per_tok, cfg.hidden_size, intermediate, on_gpu, threads, 1,
             weight_path=str(weight_path), method=method, group_size=group_size,
             expert_lora_path=str(expert_lora_path) if expert_lora_path else None,
         )  # fmt: skip

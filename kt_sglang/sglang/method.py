@@ -143,7 +143,7 @@ class KTEPWrapperMethod(FusedMoEMethodBase):
                 num_experts_per_tok=layer.top_k,
                 hidden_size=hidden_size,
                 moe_intermediate_size=layer.intermediate_size_per_partition * layer.moe_tp_size,
-                gpu_experts_mask=None,  # the split hands the engine cold ids only
+                gpu_experts_mask=self.gpu_slot_of >= 0,  # the hot experts: not held, not read here
                 cpuinfer_threads=s.cpuinfer,
                 threadpool_count=s.threadpool_count,
                 weight_path=s.weight_path,

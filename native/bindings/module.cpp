@@ -313,17 +313,20 @@ PYBIND11_MODULE(_native, m) {
   py::class_<MoeLayer>(m, "MoeLayer")
       .def(py::init([](std::shared_ptr<Runner> runner, const Workspace& ws, int num_experts, int top_k,
                        int64_t hidden, int64_t intermediate, Method method, int group, const std::string& isa,
-                       int64_t max_chunk_tokens, int glu_kind, float glu_limit, float glu_alpha) {
+                       int64_t max_chunk_tokens, int glu_kind, float glu_limit, float glu_alpha,
+                       const std::vector<uint8_t>& absent) {
              const auto parsed = parse_isa(isa);
              if (!parsed) throw std::invalid_argument("unknown ISA '" + isa + "'");
              MoeConfig c{num_experts, top_k, hidden, intermediate, method, group, max_chunk_tokens};
              c.glu = GluConfig{static_cast<GluKind>(glu_kind), glu_limit, glu_alpha};
+             c.absent = absent;
              return std::make_unique<MoeLayer>(c, std::move(runner), ws.impl, *parsed);
            }),
            py::arg("runner"), py::arg("workspace"), py::arg("num_experts"), py::arg("top_k"),
            py::arg("hidden"), py::arg("intermediate"), py::arg("method"), py::arg("group"), py::arg("isa"),
            py::arg("max_chunk_tokens"), py::arg("glu_kind") = 0, py::arg("glu_limit") = 0.0f,
-           py::arg("glu_alpha") = 1.702f)
+           py::arg("glu_alpha") = 1.702f, py::arg("absent") = std::vector<uint8_t>{},
+           "absent: [num_experts] 1 = held elsewhere (a GPU slot): no packed weights, never computed here")
       .def(
           "load_biases",
           [](MoeLayer& l, uintptr_t gate, uintptr_t up, uintptr_t down) {

@@ -433,6 +433,9 @@ SftMoe::SftMoe(MoeLayer& layer, const LoraConfig& config)
   if (!c.glu.plain())
     throw std::invalid_argument("fine-tuning supports the SiLU-gated experts (silu(gate) * up) only");
   if (layer.has_biases()) throw std::invalid_argument("fine-tuning supports experts without biases only");
+  if (!layer.holds_every_expert())
+    throw std::invalid_argument(
+        "fine-tuning trains every expert on the CPU: build the layer without absent experts");
   if (config.rank < 1 || config.rank > std::min(c.hidden, c.intermediate))
     throw std::invalid_argument("lora_rank " + std::to_string(config.rank) + " must be in 1.." +
                                 std::to_string(std::min(c.hidden, c.intermediate)) +

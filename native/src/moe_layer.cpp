@@ -180,6 +180,12 @@ MoeLayer::MoeLayer(const MoeConfig& config, std::shared_ptr<Runner> runner,
   intermediate_padded_ = units * unit;
   const int P = runner_->num_pools();
   const int64_t E = config_.num_experts;
+  if (!config_.absent.empty() && static_cast<int64_t>(config_.absent.size()) != E)
+    throw std::invalid_argument("the mask of absent experts has " + std::to_string(config_.absent.size()) +
+                                " entries; num_experts is " + std::to_string(E));
+  storage_.assign(E, -1);
+  for (int64_t e = 0; e < E; ++e)
+    if (config_.absent.empty() || !config_.absent[e]) storage_[e] = held_++;
   for (int p = 0; p < P; ++p) {
     auto pw = std::make_unique<PoolWeights>();
     pw->node = runner_->pool(p).node;
@@ -190,8 +196,8 @@ MoeLayer::MoeLayer(const MoeConfig& config, std::shared_ptr<Runner> runner,
     pw->down_region = {0, round_up(config_.hidden, kPanelWidth), pw->i_begin, slice};
     pw->gate_up_bytes = 2 * packed_matrix_bytes(config_.method, group_, pw->gate_region);
     pw->down_bytes = packed_matrix_bytes(config_.method, group_, pw->down_region);
-    pw->gate_up_alloc = static_cast<size_t>(pw->gate_up_bytes * E);
-    pw->down_alloc = static_cast<size_t>(pw->down_bytes * E);
+    pw->gate_up_alloc = static_cast<size_t>(pw->gate_up_bytes * held_);
+    pw->down_alloc = static_cast<size_t>(pw->down_bytes * held_);
     pw->gate_up = static_cast<uint8_t*>(alloc_on_node(pw->gate_up_alloc, pw->node));
     pw->down = static_cast<uint8_t*>(alloc_on_node(pw->down_alloc, pw->node));
     pools_.push_back(std::move(pw));
@@ -210,7 +216,7 @@ void MoeLayer::drain() const {
 
 int64_t MoeLayer::packed_bytes() const {
   int64_t total = 0;
-  for (const auto& p : pools_) total += (p->gate_up_bytes + p->down_bytes) * config_.num_experts;
+  for (const auto& p : pools_) total += (p->gate_up_bytes + p->down_bytes) * held_;
   return total;
 }
 
@@ -227,10 +233,12 @@ MoeLayer::PackedSlice MoeLayer::packed_slice(int pool) const {
 
 void MoeLayer::pack_expert(int slot, const CanonicalMatrix& gate, const CanonicalMatrix& up,
                            const CanonicalMatrix& down) {
+  const int64_t at = storage_[slot];
+  if (at < 0) return;               // held elsewhere
   const int64_t width = h_group();  // intermediate channels per interleaved block
   const int64_t panel = panel_bytes(config_.method, group_, hidden_padded_);
   for (const auto& pw : pools_) {
-    uint8_t* gate_up = pw->gate_up + slot * pw->gate_up_bytes;
+    uint8_t* gate_up = pw->gate_up + at * pw->gate_up_bytes;
     for (int64_t i0 = 0; i0 < pw->gate_region.rows; i0 += width) {
       const PackRegion block{pw->gate_region.row_offset + i0, width, 0, hidden_padded_};
       const int64_t npan = width / kPanelWidth;
@@ -239,7 +247,7 @@ void MoeLayer::pack_expert(int slot, const CanonicalMatrix& gate, const Canonica
       gate_up += 2 * npan * panel;
     }
     const int64_t dp = pw->down_region.rows / kPanelWidth;
-    if (pw->down_region.cols > 0) pack_panels(down, pw->down_region, 0, dp, pw->down + slot * pw->down_bytes);
+    if (pw->down_region.cols > 0) pack_panels(down, pw->down_region, 0, dp, pw->down + at * pw->down_bytes);
   }
 }
 
@@ -305,6 +313,7 @@ void MoeLayer::load_dense(const void* gate, const void* up, const void* down, DT
   runner_->run([&](const WorkerContext& ctx) {
     OwnedCanonical g, u, d;
     for_each_item(counter, E, [&](int64_t slot) {
+      if (storage_[slot] < 0) return;  // held elsewhere: not quantized
       const int64_t src = slot_to_source.empty() ? slot : slot_to_source[slot];
       g.reset(config_.method, I, H, group_);
       u.reset(config_.method, I, H, group_);
@@ -338,12 +347,14 @@ void MoeLayer::load_canonical(const std::vector<CanonicalMatrix>& gate,
           std::to_string(N) + ", " + std::to_string(K) + "], group " + std::to_string(group_) + ")");
   };
   for (int64_t e = 0; e < E; ++e) {
+    if (storage_[e] < 0) continue;  // held elsewhere: its matrices are not read
     check(gate[e], I, H, "gate"), check(up[e], I, H, "up"), check(down[e], H, I, "down");
   }
   auto& counter = workspace_->load_counter.value;
   counter.store(0);
   runner_->run([&](const WorkerContext&) {
     for_each_item(counter, E, [&](int64_t e) {
+      if (storage_[e] < 0) return;
       with_context(e, "gate", [&] { check_finite(gate[e]); });
       with_context(e, "up", [&] { check_finite(up[e]); });
       with_context(e, "down", [&] { check_finite(down[e]); });
@@ -571,7 +582,9 @@ void MoeLayer::route(const Chunk& chunk) {
       return args.ids_int64 ? static_cast<const int64_t*>(args.expert_ids)[i]
                             : static_cast<const int32_t*>(args.expert_ids)[i];
     };
-    auto computed_here = [&](int64_t e) { return e >= 0 && !(args.skip_mask && args.skip_mask[e]); };
+    auto computed_here = [&](int64_t e) {
+      return e >= 0 && storage_[e] >= 0 && !(args.skip_mask && args.skip_mask[e]);
+    };
     if (args.tokens_ptr) {  // read at run time: submit could not check them
       const size_t bytes = args.ids_int64 ? sizeof(int64_t) : sizeof(int32_t);
       check_expert_ids(static_cast<const uint8_t*>(args.expert_ids) + c0 * K * bytes, args.ids_int64, Tc, K,
@@ -705,7 +718,7 @@ void MoeLayer::gate_up(const Chunk& chunk, const WorkerContext& ctx) {
     // (gl0 + nb) * Gh) of the slice.
     auto gate_up_blocks = [&](int64_t a, int64_t gl0, int64_t nb) {
       const int e = ws.active[a];
-      const uint8_t* w = pw.gate_up + e * pw.gate_up_bytes + gl0 * block_bytes;
+      const uint8_t* w = pw.gate_up + storage_[e] * pw.gate_up_bytes + gl0 * block_bytes;
       const int64_t ldc = 2 * Gh * nb;
       const int panels = static_cast<int>(2 * npan * nb);
       const int64_t step = rows_per_call(ws.counts[e]);
@@ -801,7 +814,7 @@ void MoeLayer::down(const Chunk& chunk, const WorkerContext& ctx) {
     // Output panels [p0, p0 + npan) of expert e for each of its rows: added into the pool's
     // y[token] with the row's weight, or (down_rows) stored in y[row].
     auto down_run = [&](int e, int64_t p0, int npan) {
-      const uint8_t* w = pw.down + e * pw.down_bytes + p0 * down_panel;
+      const uint8_t* w = pw.down + storage_[e] * pw.down_bytes + p0 * down_panel;
       const int64_t ldc = npan * kPanelWidth;
       const int64_t step = rows_per_call(ws.counts[e]);
       for (int64_t r0 = ws.offsets[e]; r0 < ws.offsets[e + 1]; r0 += step) {

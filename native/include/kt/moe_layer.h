@@ -35,6 +35,9 @@ struct MoeConfig {
   int group = 0;                    // 0: the method's default
   int64_t max_chunk_tokens = 4096;  // prefill is computed in chunks of this many tokens
   GluConfig glu;
+  // [num_experts], 1: the expert is held elsewhere (a GPU slot): no packed weights here, never
+  // computed here, not read at load. Empty: every expert is held.
+  std::vector<uint8_t> absent;
 };
 
 // Scratch shared by every layer on one runner (tasks run one at a time). Grows, never shrinks.
@@ -116,6 +119,7 @@ class MoeLayer {
   int64_t intermediate_padded() const { return intermediate_padded_; }
   int64_t gate_up_block() const { return h_group(); }
   bool has_biases() const { return !gate_bias_.empty() || !up_bias_.empty() || !down_bias_.empty(); }
+  bool holds_every_expert() const { return held_ == config_.num_experts; }
   const KernelTable& kernels() const { return table_; }
   Runner& runner() const { return *runner_; }
 
@@ -141,6 +145,9 @@ class MoeLayer {
   const KernelTable& table_;
   int group_;
   int64_t hidden_padded_;  // K of gate/up, multiple of the group and of 64
+  // [E]: where expert e's packed weights are among the held ones, -1 when absent
+  std::vector<int64_t> storage_;
+  int64_t held_ = 0;
   std::vector<std::unique_ptr<PoolWeights>> pools_;
   // Biases as load_biases took them, zero-padded: [E, intermediate_padded_] and [E, hidden
   // rounded to 16]; empty when absent.
