@@ -260,3 +260,27 @@ def test_family_files_declare_the_fused_layout(tmp_path, monkeypatch):
             families.load_families()
     finally:
         families.load_families.cache_clear()
+
+
+@pytest.mark.parametrize("model_type", FUSED)
+def test_a_layer_loads_a_few_experts_at_a_time(tmp_path, model_type, monkeypatch):
+    """Quantized at load in steps of two experts (rows of the fused tensors read per step), with the
+    GPU's experts skipped: the same packed layer as one step of all of them."""
+    from kt_sglang.engine import wrapper
+
+    I, H = 64, 128
+    weights = make_weights(E, I, H, seed=12)
+    path = fused_checkpoint(tmp_path / model_type, model_type, weights, H, FUSED[model_type][1])
+    mask = torch.zeros(E, dtype=torch.bool)
+    mask[[0, 3, 4]] = True  # held: 1, 2, 5, 6, 7 (two runs of rows)
+    x = make_hidden(16, H)
+    ids, wts = make_routing(16, E, K, seed=13)
+    outputs = []
+    for chunk in (2**40, 2 * 3 * H * I * 4):  # one step; two experts a step
+        monkeypatch.setattr(wrapper, "_DENSE_CHUNK_BYTES", chunk)
+        w = KTMoEWrapper(1, E, K, H, I, mask, 2, 1, weight_path=str(path), method="AMXINT8")
+        w.load_weights()
+        outputs.append(w.forward(x, ids, wts))
+    assert torch.equal(outputs[0], outputs[1])
+    ref = moe_reference(x, *(t.bfloat16() for t in weights), torch.where(mask[ids], -1, ids), wts)
+    assert relative_error(outputs[1], ref) <= 0.02

@@ -62,6 +62,11 @@ class _BufferSet:
     spare: _Buffers | None = None
 
 
+# Dense expert weights read per step when a checkpoint is quantized at load: the transient copies stay
+# this small, whatever the layer's size.
+_DENSE_CHUNK_BYTES = 256 * 2**20
+
+
 class KTMoEWrapper:
     """The CPU experts of one MoE layer.
 
@@ -191,6 +196,11 @@ class KTMoEWrapper:
         contiguous, on the CPU. Slot e takes source expert ``physical_to_logical_map[e]``; the slots of
         ``gpu_experts_mask`` are neither read nor held.
         """
+        self._load_dense(gate_proj, up_proj, down_proj, physical_to_logical_map, partial=False)
+
+    def _load_dense(self, gate_proj, up_proj, down_proj, physical_to_logical_map, partial: bool) -> None:
+        """load_weights_from_tensors; ``partial``: -1 entries of the map leave their slots as they are
+        (a checkpoint loaded a few experts a call)."""
         E, I, H = self.num_experts, self.moe_intermediate_size, self.hidden_size
         info = METHODS[self.method]
         if not info.quantizes_dense:
@@ -224,7 +234,7 @@ class KTMoEWrapper:
                     f"{name} has shape {tuple(t.shape)}; expected [E_src, {shape[1]}, {shape[2]}] "
                     f"(with E_src >= 1 the same for all three)"
                 )
-        slots = self._slot_map(physical_to_logical_map, source_experts)
+        slots = self._slot_map(physical_to_logical_map, source_experts, partial)
         if not slots and source_experts < E:
             raise ValueError(
                 f"the tensors hold {source_experts} experts but num_experts={E}; pass "
@@ -384,11 +394,17 @@ class KTMoEWrapper:
             self._load_read(ckpt.layer_native_experts(self.layer_idx, needed, self.method), positions)
         elif in_layer and not needed:  # every expert on the GPU: nothing to read
             self._load_read(([], [], []), positions)
-        else:
-            gate, up, down = ckpt.layer_experts(self.layer_idx, needed)
-            if self.expert_lora_path:
-                gate, up, down = self._merge_adapter(needed, spec.num_experts, gate, up, down)
-            self.load_weights_from_tensors(gate, up, down, positions)
+        else:  # a few experts at a time: the dense copies never add up to a layer
+            per_expert = 3 * spec.hidden_size * spec.intermediate_size * 4  # bytes, fp32 at most
+            step = max(1, _DENSE_CHUNK_BYTES // per_expert)
+            for first in range(0, len(needed), step):
+                chunk = needed[first : first + step]
+                gate, up, down = ckpt.layer_experts(self.layer_idx, chunk)
+                if self.expert_lora_path:
+                    gate, up, down = self._merge_adapter(chunk, spec.num_experts, gate, up, down)
+                held = range(first, first + len(chunk))  # positions of this chunk's experts
+                mapping = [p - first if self.holds(e) and p in held else -1 for e, p in enumerate(positions)]
+                self._load_dense(gate, up, down, mapping, partial=True)
         biases = ckpt.layer_biases(self.layer_idx, needed) if in_layer and needed else (None, None, None)
         if any(b is not None for b in biases):
             self.load_biases(*biases, physical_to_logical_map=positions)
@@ -429,7 +445,8 @@ class KTMoEWrapper:
         mats = read_layer(directory, m, self.layer_idx, needed)
         self._load_read([mats[p] for p in ("gate", "up", "down")], positions)
 
-    def _slot_map(self, physical_to_logical_map, source_experts: int) -> list[int]:
+    def _slot_map(self, physical_to_logical_map, source_experts: int, partial: bool = False) -> list[int]:
+        """``partial``: -1 entries are allowed (slots this call leaves as they are)."""
         if physical_to_logical_map is None:
             return []
         slots = [int(v) for v in torch.as_tensor(physical_to_logical_map).reshape(-1).tolist()]
@@ -437,7 +454,7 @@ class KTMoEWrapper:
             raise ValueError(
                 f"physical_to_logical_map has {len(slots)} entries; num_experts is {self.num_experts}"
             )
-        bad = [s for s in slots if not 0 <= s < source_experts]
+        bad = [s for s in slots if not (0 <= s < source_experts or (partial and s == -1))]
         if bad:
             raise ValueError(
                 f"physical_to_logical_map names experts {bad[:4]} outside the {source_experts} given"

@@ -588,29 +588,37 @@ class Checkpoint:
             raise CheckpointError(
                 f"layer {layer}: no expert tensors ({pattern} or fused gate_up_proj) in {self.path}"
             )
-        gate_up = self._fused_stack(names["gate_up"], "gate_up", 2 * I, H)
-        down = self._fused_stack(names["down"], "down", H, I)
-        gate, up = gate_up[:, :I], gate_up[:, I:]
-        return tuple(t[ids].contiguous() for t in (gate, up, down))
+        gate_up = self._fused_stack(names["gate_up"], "gate_up", 2 * I, H, ids)
+        down = self._fused_stack(names["down"], "down", H, I, ids)
+        return gate_up[:, :I].contiguous(), gate_up[:, I:].contiguous(), down.contiguous()
 
-    def _fused_stack(self, name: str, proj: str, out: int, inp: int) -> torch.Tensor:
-        """A fused expert tensor as ``[E, out, in]``, read in the orientation its family declares:
-        the shape alone cannot tell the two apart when ``hidden_size == 2 * moe_intermediate_size``."""
+    def _fused_stack(self, name: str, proj: str, out: int, inp: int, ids: list[int]) -> torch.Tensor:
+        """Experts ``ids`` of a fused expert tensor as ``[n, out, in]``, read in the orientation its
+        family declares (the shape alone cannot tell the two apart when ``hidden_size == 2 *
+        moe_intermediate_size``). Only their rows are read: a loader that takes a layer a few
+        experts at a time never holds the whole tensor."""
         fam, E = self.family, self.spec.num_experts
-        w = self.tensor(name)
-        if w.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        rows = self._open(self._files[name]).get_slice(name)
+        shape, dtype = list(rows.get_shape()), rows.get_dtype()
+        if dtype not in ("BF16", "F16", "F32"):
             raise CheckpointError(
-                f"fused expert tensor {self.where(name)} has dtype {w.dtype}; expected bf16, fp16 or fp32"
+                f"fused expert tensor {self.where(name)} has dtype {dtype}; expected bf16, fp16 or fp32"
             )
         transposed = fam.fused_transposed(proj)
         expected = [E, inp, out] if transposed else [E, out, inp]
-        if list(w.shape) != expected:
-            other = " (the other orientation)" if list(w.shape) == [E, *expected[:0:-1]] else ""
+        if shape != expected:
+            other = " (the other orientation)" if shape == [E, *expected[:0:-1]] else ""
             raise CheckpointError(
-                f"fused expert tensor {self.where(name)} has shape {list(w.shape)}{other}; expected "
+                f"fused expert tensor {self.where(name)} has shape {shape}{other}; expected "
                 f"{expected} ({fam.fused_layout[proj]}: the layout configs/models/{fam.family}.json "
                 f"declares for model_type {self.config.get('model_type')!r}; E, H, I from config.json)"
             )
+        runs, start = [], 0  # contiguous runs of ids, one read each
+        for i in range(1, len(ids) + 1):
+            if i == len(ids) or ids[i] != ids[i - 1] + 1:
+                runs.append(rows[ids[start] : ids[i - 1] + 1])
+                start = i
+        w = torch.cat(runs) if runs else torch.empty(0, *expected[1:], dtype=torch.bfloat16)
         return w.transpose(1, 2) if transposed else w
 
 

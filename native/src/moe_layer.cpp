@@ -302,9 +302,9 @@ void MoeLayer::load_dense(const void* gate, const void* up, const void* down, DT
   if (!slot_to_source.empty() && static_cast<int64_t>(slot_to_source.size()) != E)
     throw std::invalid_argument("physical_to_logical_map must have num_experts entries");
   for (int64_t s : slot_to_source)
-    if (s < 0 || s >= source_experts)
+    if (s < -1 || s >= source_experts)
       throw std::invalid_argument("physical_to_logical_map entry " + std::to_string(s) + " is outside the " +
-                                  std::to_string(source_experts) + " source experts");
+                                  std::to_string(source_experts) + " source experts (-1: not in this call)");
   if (slot_to_source.empty() && source_experts < E)
     throw std::invalid_argument("weights hold fewer experts than num_experts");
   const int64_t elem = dtype == DType::kFloat32 ? 4 : 2;
@@ -313,8 +313,8 @@ void MoeLayer::load_dense(const void* gate, const void* up, const void* down, DT
   runner_->run([&](const WorkerContext& ctx) {
     OwnedCanonical g, u, d;
     for_each_item(counter, E, [&](int64_t slot) {
-      if (storage_[slot] < 0) return;  // held elsewhere: not quantized
       const int64_t src = slot_to_source.empty() ? slot : slot_to_source[slot];
+      if (storage_[slot] < 0 || src < 0) return;  // held elsewhere, or loaded by another call
       g.reset(config_.method, I, H, group_);
       u.reset(config_.method, I, H, group_);
       d.reset(config_.method, H, I, group_);

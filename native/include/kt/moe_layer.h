@@ -76,8 +76,8 @@ class MoeLayer {
   bool loaded() const { return loaded_; }
 
   // Dense expert weights gate/up [E_src, I, H], down [E_src, H, I] of one float dtype; slot e
-  // takes source expert slot_to_source[e] (identity when empty). Quantized and packed in parallel
-  // on the pools; blocks until done.
+  // takes source expert slot_to_source[e] (identity when empty; -1: left as it is, so that a layer
+  // loads a few experts a call). Quantized and packed in parallel on the pools; blocks until done.
   void load_dense(const void* gate, const void* up, const void* down, DType dtype, int64_t source_experts,
                   const std::vector<int64_t>& slot_to_source);
   // Already-quantized canonical matrices, one per slot and projection (see quantize.h).

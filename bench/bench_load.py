@@ -1,0 +1,152 @@
+"""Host memory and load time of the engine's experts, against the packed bytes of the cold ones.
+
+    python bench/bench_load.py [--layers 1] [--method AMXINT4] [--hot 0 0.25] [--workdir DIR] [--out FILE]
+
+Writes a Qwen3-30B-A3B-shaped checkpoint (bf16, per-expert tensors; H 2048, I 768, 128 experts) and
+its `kt-sglang convert-cpu` directory, then loads every MoE layer in a fresh process for each source
+(the checkpoint quantized on load; the converted directory) and share of hot experts, twice: with the
+files dropped from the page cache (cold; needs root, else reported as warm) and again (warm). Reports
+per case the load time, the peak (sampled every 2 ms) and final anonymous memory above the
+process's before loading (the mapped files' pages are the page cache's, not the engine's), and the
+packed bytes of the experts the engine holds; the bound the engine keeps is peak <= final + one
+layer's packed experts + 10%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+H, I, E, K = 2048, 768, 128, 8
+
+# Run in a fresh process per case: RSS high-water marks are per process.
+_PROBE = r"""
+import json, re, sys, threading, time, torch
+from kt_sglang import KTMoEWrapper
+def anon():  # anonymous memory: what the engine allocates (mapped checkpoint pages are file-backed)
+    return int(re.search(r"RssAnon:\s+(\d+)", open("/proc/self/status").read()).group(1)) * 1024
+path, method, hot, layers = sys.argv[1], sys.argv[2], float(sys.argv[3]), json.loads(sys.argv[4])
+E, K, H, I = json.loads(sys.argv[5])
+mask = torch.zeros(E, dtype=torch.bool)
+mask[: round(hot * E)] = True
+before = anon()
+peak, done = [before], threading.Event()
+def sample():
+    while not done.is_set():
+        peak[0] = max(peak[0], anon())
+        time.sleep(0.002)
+sampler = threading.Thread(target=sample)
+sampler.start()
+t = time.perf_counter()
+held = []
+for layer in layers:
+    w = KTMoEWrapper(layer, E, K, H, I, mask if hot else None, 2, 1, weight_path=path, method=method)
+    w.load_weights()
+    held.append(w)
+seconds = time.perf_counter() - t
+done.set()
+sampler.join()
+final = anon()
+print(json.dumps({"seconds": seconds, "peak": max(peak[0], final) - before, "final": final - before,
+                  "packed": sum(w.packed_bytes for w in held), "layer_packed": held[0].packed_bytes}))
+"""
+
+
+def write_checkpoint(path: Path, layers: int) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    config = {
+        "model_type": "qwen3_moe", "num_experts": E, "num_experts_per_tok": K, "hidden_size": H,
+        "moe_intermediate_size": I, "num_hidden_layers": layers, "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    }  # fmt: skip
+    (path / "config.json").write_text(json.dumps(config))
+    gen = torch.Generator().manual_seed(0)
+    for layer in range(layers):
+        tensors = {}
+        for e in range(E):
+            for proj, shape in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
+                name = f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight"
+                tensors[name] = (torch.randn(*shape, generator=gen) / shape[1] ** 0.5).bfloat16()
+        save_file(tensors, str(path / f"model-{layer:05d}.safetensors"))
+
+
+def drop_page_cache() -> bool:
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("1\n")
+        return True
+    except OSError:
+        return False
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--layers", type=int, default=1)
+    p.add_argument("--method", default="AMXINT4")
+    p.add_argument("--hot", type=float, nargs="+", default=[0.0, 0.25])
+    p.add_argument(
+        "--workdir", type=Path, help="where the checkpoint and its conversion go (default: a temp dir)"
+    )
+    p.add_argument("--out", type=Path)
+    args = p.parse_args()
+    work = args.workdir or Path(tempfile.mkdtemp(prefix="kt-bench-load-"))
+    checkpoint, converted = work / "checkpoint", work / "converted"
+    if not (checkpoint / "config.json").exists():
+        write_checkpoint(checkpoint, args.layers)
+    if not (converted / "kt_weights.json").exists():
+        from kt_sglang.weights.convert_cpu import main as convert_cpu
+
+        convert_cpu(
+            ["--input-path", str(checkpoint), "--output", str(converted), "--quant-method", args.method]
+        )
+    rows = []
+    for source, path in (("checkpoint, quantized on load", checkpoint), ("converted directory", converted)):
+        for hot in args.hot:
+            for cache in ("cold", "warm"):
+                dropped = cache == "cold" and drop_page_cache()
+                shape = json.dumps([E, K, H, I])
+                cmd = [
+                    sys.executable,
+                    "-c",
+                    _PROBE,
+                    str(path),
+                    args.method,
+                    str(hot),
+                    json.dumps(list(range(args.layers))),
+                    shape,
+                ]
+                r = subprocess.run(cmd, capture_output=True, text=True, check=True)
+                m = json.loads(r.stdout.strip().splitlines()[-1])
+                files = sum(f.stat().st_size for f in path.iterdir() if f.suffix == ".safetensors")
+                rows.append({
+                    "source": source, "hot_fraction": hot, "cache": "cold" if dropped else "warm",
+                    "seconds": m["seconds"], "seconds_per_gb": m["seconds"] / (files / 1e9),
+                    "peak_mib": m["peak"] / 2**20, "final_mib": m["final"] / 2**20,
+                    "packed_mib": m["packed"] / 2**20, "layer_packed_mib": m["layer_packed"] / 2**20,
+                    "within_bound": m["peak"] <= m["final"] + 1.1 * m["layer_packed"],
+                })  # fmt: skip
+    print(f"{args.layers} Qwen3-30B-A3B layer(s), {args.method}, files in {work}")
+    print("| source | hot | cache | load s | s per GB read | peak MiB | final MiB | packed MiB | in bound |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['source']} | {r['hot_fraction'] * 100:.0f}% | {r['cache']} | {r['seconds']:.2f} | "
+            f"{r['seconds_per_gb']:.2f} | {r['peak_mib']:.0f} | {r['final_mib']:.0f} | "
+            f"{r['packed_mib']:.0f} | {'yes' if r['within_bound'] else 'no'} |"
+        )
+    if args.out:
+        args.out.write_text(
+            json.dumps({"method": args.method, "layers": args.layers, "rows": rows}, indent=2)
+        )
+
+
+if __name__ == "__main__":
+    main()
