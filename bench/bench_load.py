@@ -1,8 +1,10 @@
 """Host memory and load time of the engine's experts, against the packed bytes of the cold ones.
 
-    python bench/bench_load.py [--layers 1] [--method AMXINT4] [--hot 0 0.25] [--workdir DIR] [--out FILE]
+    python bench/bench_load.py [--layers 1] [--method AMXINT4] [--hot 0 0.25] [--shape H I E]
+                               [--workdir DIR] [--out FILE]
 
-Writes a Qwen3-30B-A3B-shaped checkpoint (bf16, per-expert tensors; H 2048, I 768, 128 experts) and
+Writes a Qwen3-30B-A3B-shaped checkpoint (bf16, per-expert tensors; H 2048, I 768, 128 experts, top-8;
+``--shape`` for others) and
 its `kt-sglang convert-cpu` directory, then loads every MoE layer in a fresh process for each source
 (the checkpoint quantized on load; the converted directory) and share of hot experts, twice: with the
 files dropped from the page cache (cold; needs root, else reported as warm) and again (warm). Reports
@@ -22,7 +24,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-H, I, E, K = 2048, 768, 128, 8
+QWEN3_30B = (2048, 768, 128)  # H, I, E
+K = 8
 
 # Run in a fresh process per case: RSS high-water marks are per process.
 _PROBE = r"""
@@ -57,7 +60,7 @@ print(json.dumps({"seconds": seconds, "peak": max(peak[0], final) - before, "fin
 """
 
 
-def write_checkpoint(path: Path, layers: int) -> None:
+def write_checkpoint(path: Path, layers: int, H: int, I: int, E: int) -> None:
     import torch
     from safetensors.torch import save_file
 
@@ -95,12 +98,14 @@ def main() -> None:
     p.add_argument(
         "--workdir", type=Path, help="where the checkpoint and its conversion go (default: a temp dir)"
     )
+    p.add_argument("--shape", type=int, nargs=3, default=QWEN3_30B, metavar=("H", "I", "E"))
     p.add_argument("--out", type=Path)
     args = p.parse_args()
+    H, I, E = args.shape
     work = args.workdir or Path(tempfile.mkdtemp(prefix="kt-bench-load-"))
     checkpoint, converted = work / "checkpoint", work / "converted"
     if not (checkpoint / "config.json").exists():
-        write_checkpoint(checkpoint, args.layers)
+        write_checkpoint(checkpoint, args.layers, H, I, E)
     if not (converted / "kt_weights.json").exists():
         from kt_sglang.weights.convert_cpu import main as convert_cpu
 
@@ -133,7 +138,7 @@ def main() -> None:
                     "packed_mib": m["packed"] / 2**20, "layer_packed_mib": m["layer_packed"] / 2**20,
                     "within_bound": m["peak"] <= m["final"] + 1.1 * m["layer_packed"],
                 })  # fmt: skip
-    print(f"{args.layers} Qwen3-30B-A3B layer(s), {args.method}, files in {work}")
+    print(f"{args.layers} layer(s) of H {H}, I {I}, {E} experts, {args.method}, files in {work}")
     print("| source | hot | cache | load s | s per GB read | peak MiB | final MiB | packed MiB | in bound |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
@@ -143,9 +148,8 @@ def main() -> None:
             f"{r['packed_mib']:.0f} | {'yes' if r['within_bound'] else 'no'} |"
         )
     if args.out:
-        args.out.write_text(
-            json.dumps({"method": args.method, "layers": args.layers, "rows": rows}, indent=2)
-        )
+        result = {"method": args.method, "layers": args.layers, "shape": [H, I, E], "rows": rows}
+        args.out.write_text(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":

@@ -46,3 +46,23 @@ def test_contention_benchmark(tmp_path):
         s = r[part]
         assert 0 < s["median_ms"] <= s["p90_ms"] <= s["worst_ms"]
     assert r["busy"] == 1 and r["threads"] >= 1
+
+
+@pytest.mark.slow
+def test_load_benchmark(tmp_path):
+    r = run_bench(
+        "bench_load.py",
+        tmp_path,
+        "--shape",
+        "256",
+        "128",
+        "16",
+        "--layers",
+        "2",
+        "--workdir",
+        str(tmp_path / "w"),
+    )
+    assert r["shape"] == [256, 128, 16] and len(r["rows"]) == 8
+    held = {row["hot_fraction"]: row["packed_mib"] for row in r["rows"]}
+    assert held[0.25] == pytest.approx(0.75 * held[0.0])  # the hot experts are not held
+    assert all(row["final_mib"] >= 0.9 * row["packed_mib"] and row["within_bound"] for row in r["rows"])
