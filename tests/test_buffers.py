@@ -111,7 +111,7 @@ def test_host_functions_on_a_stream_handle():
     layer = _bf16_layer()
     hidden, (ids, weights) = make_hidden(4, 256), make_routing(4, 8, 2)
     want = layer.forward(hidden, ids, weights)
-    buf = layer._buffers_for(4)
+    buf = layer._sets[False].for_tokens(4)
     for dst, src in ((buf.hidden, hidden), (buf.ids, ids), (buf.weights, weights)):
         dst[:4].copy_(src)
     buf.tokens.fill_(4)

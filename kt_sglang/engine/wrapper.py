@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import atexit
 import weakref
-from dataclasses import dataclass
 
 import torch
 
 from kt_sglang.engine.activation import SILU, Glu
+from kt_sglang.engine.buffers import BufferSet, HostBuffers
 from kt_sglang.engine.canonical import CanonicalMatrix, check_matrix
 from kt_sglang.engine.methods import METHODS, parse_method, resolve_group
 from kt_sglang.engine.native import NATIVE_DTYPES, _native
@@ -22,44 +22,6 @@ _MAX_DIM = 2**31 - 1
 def _contiguous(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     # Tested first: on the decode path every torch call costs microseconds on cold caches.
     return t if t.dtype == dtype and t.is_contiguous() else t.to(dtype).contiguous()
-
-
-def _pin(t: torch.Tensor) -> torch.Tensor:
-    return t.pin_memory() if torch.cuda.is_available() else t
-
-
-@dataclass
-class _Buffers:
-    """Host buffers of one batch size: inputs copied in, output written by the engine."""
-
-    hidden: torch.Tensor  # bf16 [T, H]
-    ids: torch.Tensor  # int64 [T, k]
-    weights: torch.Tensor  # fp32 [T, k]
-    out: torch.Tensor  # bf16 or fp32 [T, H] (the wrapper's output_dtype)
-    tokens: torch.Tensor  # int32 [1]: the batch size the task reads when it runs
-    stream_forward: object | None = None  # _native.StreamForward over these buffers, made on first use
-
-    @classmethod
-    def allocate(cls, tokens: int, hidden: int, top_k: int, out_dtype: torch.dtype) -> _Buffers:
-        return cls(
-            _pin(torch.zeros(tokens, hidden, dtype=torch.bfloat16)),
-            _pin(torch.zeros(tokens, top_k, dtype=torch.int64)),
-            _pin(torch.zeros(tokens, top_k, dtype=torch.float32)),
-            _pin(torch.zeros(tokens, hidden, dtype=out_dtype)),
-            _pin(torch.zeros(1, dtype=torch.int32)),
-        )
-
-    @property
-    def capacity(self) -> int:
-        return self.hidden.shape[0]
-
-
-@dataclass
-class _BufferSet:
-    """Buffers of one submission stream: one per captured batch size, one reusable for the rest."""
-
-    by_size: dict[int, _Buffers]
-    spare: _Buffers | None = None
 
 
 # Dense expert weights read per step when a checkpoint is quantized at load: the transient copies stay
@@ -175,9 +137,9 @@ class KTMoEWrapper:
         self._output_dtype = torch.bfloat16
         # Two submission streams: the layer's immediate experts and its deferred ones (which run
         # while the next layer computes), each with its own buffers and at most one pending task.
-        self._sets = {False: _BufferSet({}), True: _BufferSet({})}
+        self._sets = self._new_buffer_sets()
         # Per submission stream: buffers, rows, whether cuda_stream was given, its CUDA handle.
-        self._pending: dict[bool, tuple[_Buffers, int, bool, int | None]] = {}
+        self._pending: dict[bool, tuple[HostBuffers, int, bool, int | None]] = {}
         KTMoEWrapper._instances.add(self)
 
     # ----------------------------------------------------------------------------------------
@@ -479,11 +441,11 @@ class KTMoEWrapper:
         if self._pending:
             raise RuntimeError(f"layer {self.layer_idx}: output_dtype changed with a forward pending")
         self.drain()
-        captured = bool(self._sets[False].by_size)
+        captured = tuple(self._sets[False].by_size)
         self._output_dtype = dtype
-        self._sets = {False: _BufferSet({}), True: _BufferSet({})}
-        if captured:
-            self._allocate_capture_buffers()
+        self._sets = self._new_buffer_sets()
+        for bufs in self._sets.values():
+            bufs.capture(captured)
 
     def forward(
         self,
@@ -562,7 +524,7 @@ class KTMoEWrapper:
             raise ValueError(f"num_tokens must be an int32 tensor of one element, got {num_tokens!r}")
         on_stream = cuda_stream is not None
         handle = self._stream_handle(cuda_stream, hidden_states) if on_stream else None
-        buf = self._buffers_for(T, deferred)
+        buf = self._sets[deferred].for_tokens(T)
         buf.hidden[:T].copy_(hidden_states, non_blocking=on_stream)
         buf.ids[:T].copy_(topk_ids, non_blocking=on_stream)
         buf.weights[:T].copy_(topk_weights, non_blocking=on_stream)
@@ -618,7 +580,7 @@ class KTMoEWrapper:
             )
         return handle
 
-    def _stream_forward(self, buf: _Buffers):
+    def _stream_forward(self, buf: HostBuffers):
         if buf.stream_forward is None:
             buf.stream_forward = _native.StreamForward(
                 self._layer,
@@ -678,19 +640,12 @@ class KTMoEWrapper:
             raise ValueError(f"gpu_experts_mask has shape {tuple(mask.shape)}; expected [{self.num_experts}]")
         return mask.to("cpu").contiguous()
 
-    def _buffers_for(self, tokens: int, deferred: bool = False) -> _Buffers:
-        bufs = self._sets[deferred]
-        buf = bufs.by_size.get(tokens)
-        if buf is None:
-            for size in sorted(bufs.by_size):  # smallest captured size that fits
-                if size >= tokens:
-                    return bufs.by_size[size]
-            if bufs.spare is None or bufs.spare.capacity < tokens:
-                bufs.spare = _Buffers.allocate(
-                    max(tokens, 1), self.hidden_size, self.num_experts_per_tok, self._output_dtype
-                )
-            buf = bufs.spare
-        return buf
+    def _new_buffer_sets(self) -> dict[bool, BufferSet]:
+        """One set per submission stream: immediate (False) and deferred (True) experts."""
+        return {
+            deferred: BufferSet(self.hidden_size, self.num_experts_per_tok, self._output_dtype)
+            for deferred in (False, True)
+        }
 
     # ----------------------------------------------------------------------------------------
     # Batch-size buffers (kt-kernel's static API)
@@ -712,15 +667,11 @@ class KTMoEWrapper:
     @staticmethod
     def clear_buffer_cache() -> None:
         for w in KTMoEWrapper._instances:
-            w._sets = {False: _BufferSet({}), True: _BufferSet({})}
+            w._sets = w._new_buffer_sets()
 
     def _allocate_capture_buffers(self) -> None:
         for bufs in self._sets.values():
-            for size in KTMoEWrapper._capture_batch_sizes:
-                if size not in bufs.by_size:
-                    bufs.by_size[size] = _Buffers.allocate(
-                        size, self.hidden_size, self.num_experts_per_tok, self._output_dtype
-                    )
+            bufs.capture(KTMoEWrapper._capture_batch_sizes)
 
     # ----------------------------------------------------------------------------------------
     # Lifetime: a pending task reads this layer's buffers, so they outlive it
