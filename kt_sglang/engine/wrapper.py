@@ -24,11 +24,6 @@ def _contiguous(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype == dtype and t.is_contiguous() else t.to(dtype).contiguous()
 
 
-# Dense expert weights read per step when a checkpoint is quantized at load: the transient copies stay
-# this small, whatever the layer's size.
-_DENSE_CHUNK_BYTES = 256 * 2**20
-
-
 class KTMoEWrapper:
     """The CPU experts of one MoE layer.
 
@@ -107,11 +102,15 @@ class KTMoEWrapper:
         self.max_deferred_experts_per_token = max_deferred_experts_per_token
         self.method = parse_method(method)
         if group_size is None and weight_path is not None:
-            group_size = _recorded_group(weight_path, self.method)
+            from kt_sglang.weights.layer_loader import recorded_group
+
+            group_size = recorded_group(weight_path, self.method)
         self.group_size = resolve_group(self.method, group_size)
         self.isa = selected_isa(isa)
         if activation is None:  # the checkpoint's, as load_weights will read it; else plain SiLU
-            activation = _checkpoint_activation(weight_path) if weight_path is not None else SILU
+            from kt_sglang.weights.layer_loader import checkpoint_activation
+
+            activation = checkpoint_activation(weight_path) if weight_path is not None else SILU
         self.gpu_experts_mask = self._check_mask(gpu_experts_mask)
         self.layout = plan_pools(cpuinfer_threads, threadpool_count, numa_nodes)
         self._runner, workspace = SharedRunner.get(self.layout)
@@ -151,18 +150,17 @@ class KTMoEWrapper:
         up_proj: torch.Tensor,
         down_proj: torch.Tensor,
         physical_to_logical_map: torch.Tensor | list[int] | None = None,
+        *,
+        partial: bool = False,
     ) -> None:
         """Quantizes (per ``method``) and packs dense expert weights on the pools.
 
         gate_proj, up_proj: ``[E_src, I, H]``; down_proj: ``[E_src, H, I]``; bf16, fp16 or fp32,
         contiguous, on the CPU. Slot e takes source expert ``physical_to_logical_map[e]``; the slots of
-        ``gpu_experts_mask`` are neither read nor held.
+        ``gpu_experts_mask`` are neither read nor held. With ``partial``, a map entry of -1 leaves its
+        slot as it is: a layer loaded a few experts a call (every held slot must be loaded once before
+        a forward).
         """
-        self._load_dense(gate_proj, up_proj, down_proj, physical_to_logical_map, partial=False)
-
-    def _load_dense(self, gate_proj, up_proj, down_proj, physical_to_logical_map, partial: bool) -> None:
-        """load_weights_from_tensors; ``partial``: -1 entries of the map leave their slots as they are
-        (a checkpoint loaded a few experts a call)."""
         E, I, H = self.num_experts, self.moe_intermediate_size, self.hidden_size
         info = METHODS[self.method]
         if not info.quantizes_dense:
@@ -196,7 +194,7 @@ class KTMoEWrapper:
                     f"{name} has shape {tuple(t.shape)}; expected [E_src, {shape[1]}, {shape[2]}] "
                     f"(with E_src >= 1 the same for all three)"
                 )
-        slots = self._slot_map(physical_to_logical_map, source_experts, partial)
+        slots = self.slot_map(physical_to_logical_map, source_experts, partial)
         if not slots and source_experts < E:
             raise ValueError(
                 f"the tensors hold {source_experts} experts but num_experts={E}; pass "
@@ -257,7 +255,7 @@ class KTMoEWrapper:
                 raise ValueError(f"{name} is {shape}; expected [E_src, {width}]")
             if not t.dtype.is_floating_point or t.device.type != "cpu":
                 raise ValueError(f"{name} must be a floating-point CPU tensor, got {t.dtype} on {t.device}")
-            slots = self._slot_map(physical_to_logical_map, t.shape[0])
+            slots = self.slot_map(physical_to_logical_map, t.shape[0])
             if not slots and t.shape[0] < E:
                 raise ValueError(f"{name} holds {t.shape[0]} experts but num_experts={E}")
             rows.append((t[slots] if slots else t[:E]).float().contiguous())
@@ -275,139 +273,17 @@ class KTMoEWrapper:
         Slot e takes checkpoint expert ``physical_to_logical_map[e]`` (identity by default); only the
         experts named are read.
         """
-        from kt_sglang.weights.canonical_files import is_canonical_dir
+        from kt_sglang.weights.layer_loader import load_layer
 
         if not self.weight_path:
             raise ValueError("load_weights needs weight_path; use load_weights_from_tensors for tensors")
-        if is_canonical_dir(self.weight_path):
-            self._load_canonical_dir(physical_to_logical_map)
-        else:
-            self._load_hf_checkpoint(physical_to_logical_map)
+        load_layer(self, physical_to_logical_map)
 
     def holds(self, expert: int) -> bool:
         """Whether this layer holds (packs, computes) expert slot ``expert``: not one of the GPU's."""
         return self.gpu_experts_mask is None or not bool(self.gpu_experts_mask[expert])
 
-    def _read_plan(self, physical_to_logical_map, source_experts: int) -> tuple[list[int], list[int]]:
-        """(the source experts to read: those of the held slots, each once, in order; each slot's
-        position among them, 0 for a slot not held)"""
-        slots = self._slot_map(physical_to_logical_map, source_experts) or list(range(self.num_experts))
-        needed = sorted({s for e, s in enumerate(slots) if self.holds(e)})
-        position = {s: i for i, s in enumerate(needed)}
-        return needed, [position.get(s, 0) if self.holds(e) else 0 for e, s in enumerate(slots)]
-
-    def _load_read(self, mats, positions: list[int]) -> None:
-        """load_canonical of per-expert lists read for the held slots (positions from _read_plan)."""
-        self.load_canonical(
-            *([m[p] if self.holds(e) else None for e, p in enumerate(positions)] for m in mats)
-        )
-
-    def _check_model(self, where: str, hidden: int, inter: int, experts: int, mapped: bool) -> None:
-        from kt_sglang.weights.checkpoint import CheckpointError
-
-        for name, ours, theirs in (
-            ("hidden_size", self.hidden_size, hidden),
-            ("moe_intermediate_size", self.moe_intermediate_size, inter),
-        ):
-            if ours != theirs:
-                raise CheckpointError(f"{where}: {name} is {theirs}; this layer was built with {ours}")
-        if not mapped and experts != self.num_experts:
-            raise CheckpointError(
-                f"{where}: the model has {experts} experts, this layer {self.num_experts}; "
-                "pass physical_to_logical_map"
-            )
-
-    def _load_hf_checkpoint(self, physical_to_logical_map) -> None:
-        from kt_sglang.weights.checkpoint import CheckpointError, open_checkpoint
-        from kt_sglang.weights.int4_checkpoint import FORMATS as INT4_FORMATS
-
-        ckpt = open_checkpoint(self.weight_path)
-        spec = ckpt.spec
-        if ckpt.activation() != self.activation:
-            raise CheckpointError(
-                f"{ckpt.path}: {ckpt.family.family} experts use the activation {ckpt.activation()}, which "
-                f"conflicts with activation={self.activation} given to the layer (leave it out to take the "
-                "checkpoint's)"
-            )
-        mapped = physical_to_logical_map is not None
-        self._check_model(
-            str(ckpt.path / "config.json"), spec.hidden_size, spec.intermediate_size, spec.num_experts, mapped
-        )
-        needed, positions = self._read_plan(physical_to_logical_map, spec.num_experts)
-        # A method that reads the checkpoint's format takes its values as they are (no requantization);
-        # from any other format the engine quantizes the dense (or dequantized) weights, if it can.
-        info = METHODS[self.method]
-        in_layer = self.layer_idx in spec.moe_layers
-        fmt = ckpt.expert_format(self.layer_idx) if in_layer else None
-        if in_layer and (not info.quantizes_dense or fmt == info.checkpoint_format):
-            if self.expert_lora_path:
-                raise CheckpointError(
-                    f"{ckpt.path}: {self.method.value} takes the checkpoint's {fmt} values as they are; an "
-                    "expert adapter is merged into dense weights before quantizing: use a method the "
-                    "engine quantizes to"
-                )
-            if fmt == info.checkpoint_format and fmt in INT4_FORMATS:  # else: the reader names the format
-                found = ckpt.int4_group(self.layer_idx, self.method)
-                if found != self.group_size:
-                    raise CheckpointError(
-                        f"{ckpt.path}: its experts are quantized in groups of {found}; this layer was "
-                        f"built with group_size={self.group_size} (leave it unset to take the checkpoint's)"
-                    )
-            self._load_read(ckpt.layer_native_experts(self.layer_idx, needed, self.method), positions)
-        elif in_layer and not needed:  # every expert on the GPU: nothing to read
-            self._load_read(([], [], []), positions)
-        else:  # a few experts at a time: the dense copies never add up to a layer
-            per_expert = 3 * spec.hidden_size * spec.intermediate_size * 4  # bytes, fp32 at most
-            step = max(1, _DENSE_CHUNK_BYTES // per_expert)
-            for first in range(0, len(needed), step):
-                chunk = needed[first : first + step]
-                gate, up, down = ckpt.layer_experts(self.layer_idx, chunk)
-                if self.expert_lora_path:
-                    gate, up, down = self._merge_adapter(chunk, spec.num_experts, gate, up, down)
-                held = range(first, first + len(chunk))  # positions of this chunk's experts
-                mapping = [p - first if self.holds(e) and p in held else -1 for e, p in enumerate(positions)]
-                self._load_dense(gate, up, down, mapping, partial=True)
-        biases = ckpt.layer_biases(self.layer_idx, needed) if in_layer and needed else (None, None, None)
-        if any(b is not None for b in biases):
-            self.load_biases(*biases, physical_to_logical_map=positions)
-
-    def _merge_adapter(self, experts: list[int], num_experts: int, gate, up, down):
-        """The experts' weights plus the adapter's scale * B A (float32), when it has this layer."""
-        from kt_sglang.finetune.adapter import ExpertAdapter
-
-        deltas = ExpertAdapter(self.expert_lora_path).deltas(
-            self.layer_idx, experts, num_experts, self.hidden_size, self.moe_intermediate_size
-        )
-        if deltas is None:
-            return gate, up, down
-        return tuple((w.float() + d).contiguous() for w, d in zip((gate, up, down), deltas, strict=True))
-
-    def _load_canonical_dir(self, physical_to_logical_map) -> None:
-        from pathlib import Path
-
-        from kt_sglang.weights.canonical_files import MANIFEST, Manifest, read_layer
-        from kt_sglang.weights.checkpoint import CheckpointError
-
-        directory = Path(self.weight_path)
-        if self.expert_lora_path:
-            raise CheckpointError(
-                f"{directory} holds converted weights; an expert adapter is merged into the checkpoint's "
-                "dense weights before quantizing: load from the checkpoint itself"
-            )
-        m = Manifest.read(directory)
-        where = str(directory / MANIFEST)
-        if m.method != self.method.value or m.group_size != self.group_size:
-            raise CheckpointError(
-                f"{where}: converted for {m.method} group {m.group_size}; this layer uses "
-                f"{self.method.value} group {self.group_size} (convert again or change --kt-method)"
-            )
-        mapped = physical_to_logical_map is not None
-        self._check_model(where, m.hidden_size, m.intermediate_size, m.num_experts, mapped)
-        needed, positions = self._read_plan(physical_to_logical_map, m.num_experts)
-        mats = read_layer(directory, m, self.layer_idx, needed)
-        self._load_read([mats[p] for p in ("gate", "up", "down")], positions)
-
-    def _slot_map(self, physical_to_logical_map, source_experts: int, partial: bool = False) -> list[int]:
+    def slot_map(self, physical_to_logical_map, source_experts: int, partial: bool = False) -> list[int]:
         """``partial``: -1 entries are allowed (slots this call leaves as they are)."""
         if physical_to_logical_map is None:
             return []
@@ -708,43 +584,6 @@ class KTMoEWrapper:
             f"{self.moe_intermediate_size}, method={self.method.value}, group={self.group_size}, "
             f"isa={self.isa}, threads={self.layout.threads}, pools={self.layout.pools})"
         )
-
-
-def _checkpoint_activation(weight_path: str) -> Glu:
-    """The activation a Hugging Face checkpoint's experts use (plain SiLU for a converted directory,
-    which records none, or a path load_weights will report on)."""
-    from pathlib import Path
-
-    from kt_sglang.weights.canonical_files import is_canonical_dir
-    from kt_sglang.weights.checkpoint import CheckpointError, open_checkpoint
-
-    if is_canonical_dir(weight_path) or not (Path(weight_path) / "config.json").is_file():
-        return SILU
-    try:
-        return open_checkpoint(weight_path).activation()
-    except (CheckpointError, OSError, ValueError):
-        return SILU  # load_weights names the problem
-
-
-def _recorded_group(weight_path: str, method) -> int | None:
-    """The group a converted directory was written with, or an INT4 checkpoint's config states for
-    the method that reads it as is (None: neither)."""
-    from pathlib import Path
-
-    from kt_sglang.weights.canonical_files import Manifest, is_canonical_dir
-    from kt_sglang.weights.checkpoint import open_checkpoint
-
-    if is_canonical_dir(weight_path):
-        manifest = Manifest.read(weight_path)
-        return manifest.group_size if manifest.method == method.value else None
-    from kt_sglang.weights.int4_checkpoint import FORMATS
-
-    fmt = METHODS[method].checkpoint_format
-    if fmt not in FORMATS or not (Path(weight_path) / "config.json").is_file():
-        return None
-    ckpt = open_checkpoint(weight_path)
-    layers = [layer for layer in ckpt.spec.moe_layers if ckpt.expert_format(layer) == fmt]
-    return ckpt.int4_group(layers[0], method) if layers else None
 
 
 # At interpreter exit, pending tasks finish before modules (and the buffers they read) go away.

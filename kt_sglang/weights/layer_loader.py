@@ -1,0 +1,182 @@
+"""Loading one layer's experts from disk into a `KTMoEWrapper`: a directory `kt-sglang convert-cpu`
+wrote, or a Hugging Face checkpoint (taken as it is by the method that reads its format, else
+quantized on load a few experts at a time). Only the experts of the layer's held slots are read.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from kt_sglang.engine.activation import SILU, Glu
+from kt_sglang.engine.methods import METHODS
+from kt_sglang.weights.canonical_files import MANIFEST, Manifest, is_canonical_dir, read_layer
+from kt_sglang.weights.checkpoint import open_checkpoint
+from kt_sglang.weights.int4_checkpoint import FORMATS as INT4_FORMATS
+from kt_sglang.weights.source import CheckpointError
+
+if TYPE_CHECKING:
+    from kt_sglang.engine.wrapper import KTMoEWrapper
+
+# Dense expert weights read per step when a checkpoint is quantized at load: the transient copies stay
+# this small, whatever the layer's size.
+DENSE_STEP_BYTES = 256 * 2**20
+
+
+def load_layer(layer: KTMoEWrapper, physical_to_logical_map) -> None:
+    """`KTMoEWrapper.load_weights`: from ``layer.weight_path``, slot e taking source expert
+    ``physical_to_logical_map[e]`` (identity by default)."""
+    if is_canonical_dir(layer.weight_path):
+        _load_canonical_dir(layer, physical_to_logical_map)
+    else:
+        _load_hf_checkpoint(layer, physical_to_logical_map)
+
+
+def _read_plan(
+    layer: KTMoEWrapper, physical_to_logical_map, source_experts: int
+) -> tuple[list[int], list[int]]:
+    """(the source experts to read: those of the held slots, each once, in order; each slot's
+    position among them, 0 for a slot not held)"""
+    slots = layer.slot_map(physical_to_logical_map, source_experts) or list(range(layer.num_experts))
+    needed = sorted({s for e, s in enumerate(slots) if layer.holds(e)})
+    position = {s: i for i, s in enumerate(needed)}
+    return needed, [position.get(s, 0) if layer.holds(e) else 0 for e, s in enumerate(slots)]
+
+
+def _load_read(layer: KTMoEWrapper, mats, positions: list[int]) -> None:
+    """load_canonical of per-expert lists read for the held slots (positions from _read_plan)."""
+    layer.load_canonical(*([m[p] if layer.holds(e) else None for e, p in enumerate(positions)] for m in mats))
+
+
+def _check_model(
+    layer: KTMoEWrapper, where: str, hidden: int, inter: int, experts: int, mapped: bool
+) -> None:
+    for name, ours, theirs in (
+        ("hidden_size", layer.hidden_size, hidden),
+        ("moe_intermediate_size", layer.moe_intermediate_size, inter),
+    ):
+        if ours != theirs:
+            raise CheckpointError(f"{where}: {name} is {theirs}; this layer was built with {ours}")
+    if not mapped and experts != layer.num_experts:
+        raise CheckpointError(
+            f"{where}: the model has {experts} experts, this layer {layer.num_experts}; "
+            "pass physical_to_logical_map"
+        )
+
+
+def _load_hf_checkpoint(layer: KTMoEWrapper, physical_to_logical_map) -> None:
+    ckpt = open_checkpoint(layer.weight_path)
+    spec = ckpt.spec
+    if ckpt.activation() != layer.activation:
+        raise CheckpointError(
+            f"{ckpt.path}: {ckpt.family.family} experts use the activation {ckpt.activation()}, which "
+            f"conflicts with activation={layer.activation} given to the layer (leave it out to take the "
+            "checkpoint's)"
+        )
+    mapped = physical_to_logical_map is not None
+    _check_model(
+        layer,
+        str(ckpt.path / "config.json"),
+        spec.hidden_size,
+        spec.intermediate_size,
+        spec.num_experts,
+        mapped,
+    )
+    needed, positions = _read_plan(layer, physical_to_logical_map, spec.num_experts)
+    # A method that reads the checkpoint's format takes its values as they are (no requantization);
+    # from any other format the engine quantizes the dense (or dequantized) weights, if it can.
+    info = METHODS[layer.method]
+    in_layer = layer.layer_idx in spec.moe_layers
+    fmt = ckpt.expert_format(layer.layer_idx) if in_layer else None
+    if in_layer and (not info.quantizes_dense or fmt == info.checkpoint_format):
+        if layer.expert_lora_path:
+            raise CheckpointError(
+                f"{ckpt.path}: {layer.method.value} takes the checkpoint's {fmt} values as they are; an "
+                "expert adapter is merged into dense weights before quantizing: use a method the "
+                "engine quantizes to"
+            )
+        if fmt == info.checkpoint_format and fmt in INT4_FORMATS:  # else: the reader names the format
+            found = ckpt.int4_group(layer.layer_idx, layer.method)
+            if found != layer.group_size:
+                raise CheckpointError(
+                    f"{ckpt.path}: its experts are quantized in groups of {found}; this layer was "
+                    f"built with group_size={layer.group_size} (leave it unset to take the checkpoint's)"
+                )
+        _load_read(layer, ckpt.layer_native_experts(layer.layer_idx, needed, layer.method), positions)
+    elif in_layer and not needed:  # every expert on the GPU: nothing to read
+        _load_read(layer, ([], [], []), positions)
+    else:  # a few experts at a time: the dense copies never add up to a layer
+        per_expert = 3 * spec.hidden_size * spec.intermediate_size * 4  # bytes, fp32 at most
+        step = max(1, DENSE_STEP_BYTES // per_expert)
+        for first in range(0, len(needed), step):
+            chunk = needed[first : first + step]
+            gate, up, down = ckpt.layer_experts(layer.layer_idx, chunk)
+            if layer.expert_lora_path:
+                gate, up, down = _merge_adapter(layer, chunk, spec.num_experts, gate, up, down)
+            held = range(first, first + len(chunk))  # positions of this chunk's experts
+            mapping = [p - first if layer.holds(e) and p in held else -1 for e, p in enumerate(positions)]
+            layer.load_weights_from_tensors(gate, up, down, mapping, partial=True)
+    biases = ckpt.layer_biases(layer.layer_idx, needed) if in_layer and needed else (None, None, None)
+    if any(b is not None for b in biases):
+        layer.load_biases(*biases, physical_to_logical_map=positions)
+
+
+def _merge_adapter(layer: KTMoEWrapper, experts: list[int], num_experts: int, gate, up, down):
+    """The experts' weights plus the adapter's scale * B A (float32), when it has this layer."""
+    from kt_sglang.finetune.adapter import ExpertAdapter
+
+    deltas = ExpertAdapter(layer.expert_lora_path).deltas(
+        layer.layer_idx, experts, num_experts, layer.hidden_size, layer.moe_intermediate_size
+    )
+    if deltas is None:
+        return gate, up, down
+    return tuple((w.float() + d).contiguous() for w, d in zip((gate, up, down), deltas, strict=True))
+
+
+def _load_canonical_dir(layer: KTMoEWrapper, physical_to_logical_map) -> None:
+    directory = Path(layer.weight_path)
+    if layer.expert_lora_path:
+        raise CheckpointError(
+            f"{directory} holds converted weights; an expert adapter is merged into the checkpoint's "
+            "dense weights before quantizing: load from the checkpoint itself"
+        )
+    m = Manifest.read(directory)
+    where = str(directory / MANIFEST)
+    if m.method != layer.method.value or m.group_size != layer.group_size:
+        raise CheckpointError(
+            f"{where}: converted for {m.method} group {m.group_size}; this layer uses "
+            f"{layer.method.value} group {layer.group_size} (convert again or change --kt-method)"
+        )
+    mapped = physical_to_logical_map is not None
+    _check_model(layer, where, m.hidden_size, m.intermediate_size, m.num_experts, mapped)
+    needed, positions = _read_plan(layer, physical_to_logical_map, m.num_experts)
+    mats = read_layer(directory, m, layer.layer_idx, needed)
+    _load_read(layer, [mats[p] for p in ("gate", "up", "down")], positions)
+
+
+def checkpoint_activation(weight_path: str) -> Glu:
+    """The activation a Hugging Face checkpoint's experts use (plain SiLU for a converted directory,
+    which records none, or a path load_weights will report on)."""
+
+    if is_canonical_dir(weight_path) or not (Path(weight_path) / "config.json").is_file():
+        return SILU
+    try:
+        return open_checkpoint(weight_path).activation()
+    except (CheckpointError, OSError, ValueError):
+        return SILU  # load_weights names the problem
+
+
+def recorded_group(weight_path: str, method) -> int | None:
+    """The group a converted directory was written with, or an INT4 checkpoint's config states for
+    the method that reads it as is (None: neither)."""
+
+    if is_canonical_dir(weight_path):
+        manifest = Manifest.read(weight_path)
+        return manifest.group_size if manifest.method == method.value else None
+
+    fmt = METHODS[method].checkpoint_format
+    if fmt not in INT4_FORMATS or not (Path(weight_path) / "config.json").is_file():
+        return None
+    ckpt = open_checkpoint(weight_path)
+    layers = [layer for layer in ckpt.spec.moe_layers if ckpt.expert_format(layer) == fmt]
+    return ckpt.int4_group(layers[0], method) if layers else None
