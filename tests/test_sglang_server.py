@@ -33,9 +33,9 @@ def _hf_model(model_dir):
 def _standalone_model(model_dir, method: str, hot: int, deferred: int):
     """HF's model (float32) with every MoE layer replaced by our standalone layer stack: the same
     engine, quantized weights, hot experts 0..hot-1 (uniform placement) and deferral chain as the
-    server."""
+    server, deferring at every batch size (the server: `--kt-deferral-max-batch` below)."""
     model = _hf_model(model_dir)
-    replace_experts(model, model_dir, method, hot, deferred)
+    replace_experts(model, model_dir, method, hot, deferred, deferral_max_tokens=None)
     return model
 
 
@@ -149,7 +149,7 @@ def test_qwen3_moe_server_equals_standalone_stack(qwen, method, hot, deferred, t
     model_dir, hf_prompts = qwen
     standalone = _standalone_model(model_dir, method, hot, deferred)
     prompts = _reference(standalone)
-    args = _kt(model_dir, method, hot, deferred)
+    args = _kt(model_dir, method, hot, deferred) + ["--kt-deferral-max-batch", "1000000"]
     logprobs: list = []
     outs, log = _serve_and_generate(model_dir, args, prompts + hf_prompts, tmp_path / "server.log", logprobs)
     assert f"deferred per token {deferred}" in log

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from kt_sglang.engine.wrapper import KTMoEWrapper
-from kt_sglang.layer.hybrid import DeferralChain, HybridMoELayer
+from kt_sglang.layer.hybrid import DEFERRAL_MAX_TOKENS, DeferralChain, HybridMoELayer
 from kt_sglang.placement import slot_map
 
 
@@ -36,13 +36,15 @@ def replace_experts(
     group_size: int | None = None,
     threads: int = 2,
     expert_lora_path: str | Path | None = None,
+    deferral_max_tokens: int | None = DEFERRAL_MAX_TOKENS,
 ) -> list[HybridMoELayer]:
     """Swaps every MoE block's experts of a Qwen3-MoE or Mixtral ``model`` for our layers, in place.
 
     ``weight_path`` is the HF checkpoint (quantized at load for quantized methods) or a directory
     written by ``kt-sglang convert-cpu``; hot experts take the model's own bf16 weights.
     ``expert_lora_path`` (a PEFT adapter of the routed experts) is merged into the CPU experts before
-    they are quantized, as ``--kt-expert-lora-path`` does; it needs ``hot=0``.
+    they are quantized, as ``--kt-expert-lora-path`` does; it needs ``hot=0``. ``deferral_max_tokens``:
+    the largest batch that defers, as ``--kt-deferral-max-batch`` (None: every batch).
     """
     if expert_lora_path and hot:
         raise ValueError("replace_experts merges an expert adapter into the CPU experts only: use hot=0")
@@ -66,6 +68,7 @@ def replace_experts(
             fused.down_proj.data[:hot].bfloat16(),
             chain,
             deferred,
+            deferral_max_tokens,
         )
         block.mlp.experts = EngineExperts(hybrid)
         hybrids.append(hybrid)
