@@ -223,6 +223,11 @@ def test_unreadable_files_say_why(tmp_path):
     )
     r = _without_root_override(code, tmp_path)
     assert f"cannot read {shard}: permission denied (mode ----------" in r.stdout, r.stdout + r.stderr[-2000:]
+    shard.chmod(0o644)
+    (path / "config.json").chmod(0)
+    r = _without_root_override(code, tmp_path)
+    assert f"cannot read {path / 'config.json'}: permission denied" in r.stdout, r.stdout + r.stderr[-2000:]
+    (path / "config.json").chmod(0o644)
     shard.unlink()
     shard.mkdir()
     with pytest.raises(CheckpointError, match=f"cannot read {shard}: it is a directory"):

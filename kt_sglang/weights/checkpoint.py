@@ -16,7 +16,7 @@ import torch
 
 from kt_sglang.weights import int4_checkpoint, mxfp4_checkpoint, nvfp4_checkpoint
 from kt_sglang.weights.families import ModelFamily, family_for
-from kt_sglang.weights.source import CheckpointError, open_safetensors
+from kt_sglang.weights.source import CheckpointError, open_safetensors, unreadable
 
 # The format name in the manifest, shards and index that `kt-sglang convert-cpu` writes (canonical_files).
 CANONICAL_FORMAT = "kt-sglang-experts"
@@ -48,6 +48,8 @@ class Checkpoint:
         config_path = self.path / "config.json"
         if not config_path.is_file():
             raise CheckpointError(f"{config_path} does not exist: not a Hugging Face model directory")
+        if (reason := unreadable(config_path)) is not None:
+            raise CheckpointError(f"cannot read {config_path}: {reason}")
         try:
             raw = json.loads(config_path.read_text())
         except json.JSONDecodeError as exc:
