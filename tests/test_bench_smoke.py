@@ -41,11 +41,15 @@ def test_decode_step_benchmark_on_the_cpu_device(tmp_path):
 
 @pytest.mark.slow
 def test_contention_benchmark(tmp_path):
-    r = run_bench("bench_contention.py", tmp_path, "--calls", "30", "--busy", "1")
+    """The engine on every core beside a busy process: no call stalls for a scheduler slice (on the
+    2-core Xeon, before waiting workers pulled preempted ones onto their cores: 21-22x the median
+    alone in every run of 300 calls; after: 1.8-8.8x in 600)."""
+    r = run_bench("bench_contention.py", tmp_path, "--calls", "200", "--busy", "1")
     for part in ("alone", "beside_busy"):
         s = r[part]
         assert 0 < s["median_ms"] <= s["p90_ms"] <= s["worst_ms"]
     assert r["busy"] == 1 and r["threads"] >= 1
+    assert r["beside_busy"]["worst_ms"] < 15 * r["alone"]["median_ms"], r
 
 
 @pytest.mark.slow

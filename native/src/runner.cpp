@@ -56,6 +56,16 @@ Runner::Runner(std::vector<PoolSpec> pools) : pools_(std::move(pools)) {
     pool_barriers_.push_back(std::make_unique<SpinBarrier>(static_cast<int>(p.cpus.size())));
   }
   all_barrier_.reset(total);
+  worker_tids_ = std::make_unique<std::atomic<int>[]>(total);
+  barriers_reached_ = std::make_unique<std::atomic<uint64_t>[]>(total);
+  pulled_ = std::make_unique<std::atomic<bool>[]>(total);
+  for (int i = 0; i < total; ++i) worker_tids_[i] = 0, barriers_reached_[i] = 0, pulled_[i] = false;
+  for (const auto& p : pools_) {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    for (int cpu : p.cpus) CPU_SET(cpu, &set);
+    pool_cpus_.insert(pool_cpus_.end(), p.cpus.size(), set);
+  }
   int tid = 0;
   for (int p = 0; p < static_cast<int>(pools_.size()); ++p)
     for (int r = 0; r < static_cast<int>(pools_[p].cpus.size()); ++r, ++tid)
@@ -123,6 +133,33 @@ void Runner::run(Task task) {
   wait(submit(std::move(task)));
 }
 
+void Runner::pull_laggards(int tid) {
+  const uint64_t mine = barriers_reached_[tid].load(std::memory_order_acquire);
+  const int cpu = sched_getcpu();
+  if (cpu < 0) return;
+  cpu_set_t here;
+  CPU_ZERO(&here);
+  CPU_SET(cpu, &here);
+  for (int w = 0; w < num_threads(); ++w) {
+    if (w == tid || barriers_reached_[w].load(std::memory_order_acquire) >= mine) continue;
+    const pid_t thread = worker_tids_[w].load(std::memory_order_acquire);
+    bool expected = false;  // one puller per laggard
+    if (thread <= 0 || !pulled_[w].compare_exchange_strong(expected, true)) continue;
+    if (sched_setaffinity(thread, sizeof(here), &here) != 0) {
+      pulled_[w].store(false);
+      continue;
+    }
+    // Arrived meanwhile (and maybe restored before the move): give its pool back ourselves.
+    if (barriers_reached_[w].load(std::memory_order_acquire) >= mine && pulled_[w].exchange(false))
+      sched_setaffinity(thread, sizeof(cpu_set_t), &pool_cpus_[w]);
+  }
+}
+
+void Runner::restore_if_pulled(int tid) {
+  if (pulled_[tid].load(std::memory_order_acquire) && pulled_[tid].exchange(false))
+    sched_setaffinity(0, sizeof(cpu_set_t), &pool_cpus_[tid]);
+}
+
 int64_t Runner::pending() const {
   return static_cast<int64_t>(submitted_.load() - completed_.load());
 }
@@ -140,6 +177,7 @@ void Runner::worker_main(int tid, int pool, int rank) {
   // went from 7-8x to 1.7-1.9x the median alone, p90 from 7-9x to 1.9-2.4x (with the barrier's short
   // spin, thread_pool.cpp).
   bind_current_thread_to(pools_[pool].cpus);
+  worker_tids_[tid].store(static_cast<int>(gettid()), std::memory_order_release);
   int total = 0;
   for (const auto& p : pools_) total += static_cast<int>(p.cpus.size());
   const WorkerContext me{tid, pool, rank, static_cast<int>(pools_[pool].cpus.size()), total, this};
@@ -179,7 +217,7 @@ void Runner::worker_main(int tid, int pool, int rank) {
     } catch (...) {
       record_error(std::current_exception());
     }
-    all_barrier_.arrive_and_wait();
+    me.barrier();  // the task's end: counted as its steps' barriers, so that it pulls laggards too
     if (tid == 0) current_ = nullptr;
     if (tid == notifier) {
       bool wake = false;

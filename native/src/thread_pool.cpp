@@ -8,7 +8,7 @@
 
 namespace kt {
 
-void SpinBarrier::arrive_and_wait() {
+void SpinBarrier::arrive_and_wait(const std::function<void()>* before_sleep) {
   if (count_ <= 1) return;
   const uint32_t gen = generation_.load(std::memory_order_acquire);
   if (arrived_.fetch_add(1, std::memory_order_acq_rel) + 1 == count_) {
@@ -27,13 +27,17 @@ void SpinBarrier::arrive_and_wait() {
     } else if (i < 256 + 64) {
       sched_yield();
     } else {
+      if (i == 256 + 64 && before_sleep) (*before_sleep)();
       generation_.wait(gen, std::memory_order_acquire);
     }
   }
 }
 
 void WorkerContext::barrier() const {
-  runner->all_barrier_.arrive_and_wait();
+  runner->barriers_reached_[tid].fetch_add(1, std::memory_order_release);
+  const std::function<void()> pull = [this] { runner->pull_laggards(tid); };
+  runner->all_barrier_.arrive_and_wait(&pull);
+  runner->restore_if_pulled(tid);
 }
 
 void WorkerContext::pool_barrier() const {

@@ -6,6 +6,8 @@
 // briefly, yielding the core now and then, then park on a futex. Callers of sync() sleep.
 #pragma once
 
+#include <sched.h>
+
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
@@ -29,7 +31,8 @@ class SpinBarrier {
  public:
   explicit SpinBarrier(int count = 1) : count_(count) {}
   void reset(int count) { count_ = count; }
-  void arrive_and_wait();
+  // `before_sleep`, if given, runs once when the wait stops spinning and is about to sleep.
+  void arrive_and_wait(const std::function<void()>* before_sleep = nullptr);
 
  private:
   int count_;
@@ -88,10 +91,22 @@ class Runner {
  private:
   friend struct WorkerContext;
   void worker_main(int tid, int pool, int rank);
+  // A worker about to sleep at the all-worker barrier moves the workers that have not reached it
+  // onto its own core (their affinity, for this barrier only): a worker preempted on a core another
+  // thread holds otherwise waits there for a scheduler slice (several ms), since the kernel does not
+  // pull a task that ran within its migration-cost window onto an idle core.
+  void pull_laggards(int tid);
+  void restore_if_pulled(int tid);
 
   std::vector<PoolSpec> pools_;
   std::vector<int> worker_cpus_;  // by tid
   std::vector<std::thread> workers_;
+  // By tid: the thread's id (for sched_setaffinity), barriers it reached, whether another worker
+  // moved it onto its core.
+  std::unique_ptr<std::atomic<int>[]> worker_tids_;
+  std::unique_ptr<std::atomic<uint64_t>[]> barriers_reached_;
+  std::unique_ptr<std::atomic<bool>[]> pulled_;
+  std::vector<cpu_set_t> pool_cpus_;  // by tid: the cores of its pool, its affinity
   SpinBarrier all_barrier_;
   std::vector<std::unique_ptr<SpinBarrier>> pool_barriers_;
 
