@@ -211,6 +211,32 @@ def test_counters_measure_a_kernels_structure(group):
     assert counts["macs"] == m * K * 16 * npanels
 
 
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_counters_measure_the_whole_k_int4_kernel(group):
+    """The modelled AMX INT4 kernel for rows with one activation scale, 96 rows x 4 panels x K 512:
+    per K-step of 64 values, channel pair and 32-row block, 2 A and 2 B loads and 4 dot products (one
+    dot product per load, whatever the group), and 4 tile stores per block and pair over all of K."""
+    if "amx-emu" not in SUPPORTED_ISAS:
+        pytest.skip("the modelled AMX kernels need AVX-512 with VNNI, BF16 and VBMI")
+    m, K, npanels = 96, 512, 4
+    q = torch.randint(-127, 128, (m, K), dtype=torch.int8)
+    scales = torch.ones(m, K // group)
+    sums = torch.zeros(m, K // group)
+    packed = torch.zeros(
+        _native.packed_bytes(_native.Method.AMXINT4, group, 16 * npanels, K), dtype=torch.uint8
+    )
+    c = torch.empty(m, 16 * npanels)
+    _native.amx_model_reset_counters()
+    _native.gemm("amx-emu", _native.Method.AMXINT4, True, m, K, group, q.data_ptr(), scales.data_ptr(),
+                 sums.data_ptr(), packed.data_ptr(), npanels, c.data_ptr())  # fmt: skip
+    counts = _native.amx_model_counters()
+    steps, blocks, pairs = K // 64, m // 32, npanels // 2
+    assert counts["dots"] == 4 * steps * blocks * pairs
+    assert counts["loads"] == 4 * steps * blocks * pairs
+    assert counts["stores"] == 4 * blocks * pairs
+    assert counts["macs"] == m * K * 16 * npanels
+
+
 NEEDS_AMX = pytest.mark.skipif(
     "amx" not in SUPPORTED_ISAS, reason="needs a CPU with AMX-INT8/BF16 and the kernel's permission"
 )

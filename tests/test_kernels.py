@@ -132,6 +132,52 @@ def test_kernel_against_scalar_and_float32(isa, method, group, int8_input, m, np
         assert relative_error(out, twin) <= TWIN_BOUND.get(isa, TWIN_BOUND_DEFAULT)
 
 
+def _int4_per_channel(canon, K, group):
+    """AMXINT4 weights as the AMX kernel requantizes them for rows with one activation scale (int8,
+    one scale per channel, 16-bit fixed point): the int8 values [N, K] and the channel scales [N]."""
+    w = canon.weight
+    q = torch.stack([w & 0x0F, w >> 4], dim=-1).reshape(w.shape[0], -1)[:, :K].to(torch.int32)
+    ws, wm = canon.scales.float(), canon.mins.float()
+    peak = torch.maximum(wm.abs(), (wm + 15 * ws).abs()).amax(1, keepdim=True)
+    fixed = torch.where(peak > 0, 32512.0 / peak, torch.zeros_like(peak))
+    a = torch.round(ws * fixed).to(torch.int32).repeat_interleave(group, 1)
+    b = (torch.round(wm * fixed).to(torch.int32) + 128).repeat_interleave(group, 1)
+    q8 = torch.div(q * a + b, 256, rounding_mode="floor").clamp(-128, 127)
+    return q8, peak.squeeze(1) / 127
+
+
+@pytest.mark.parametrize("isa", isa_params(AMX_ISAS))
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("m,npanels,groups", [(64, 2, 4), (100, 3, 2), (161, 5, 3)])
+def test_int4_rows_with_one_scale_sum_all_of_k(isa, group, m, npanels, groups):
+    """AMXINT4 rows quantized with one scale per row (as the layer does) go, from 64 rows, to the AMX
+    kernel that requantizes the weights to int8 per channel and sums all of K in the tiles: equal to
+    that arithmetic done in torch (the integer sums exact), within 0.012 of float32 on the INT4
+    weights (the requantization's own rounding, ~0.008), and per-group scales still take the group
+    kernel (equal to the scalar twin)."""
+    K = groups * max(group, 64)
+    N = 16 * npanels
+    w = torch.randn(N, K, generator=torch.Generator().manual_seed(m)) / K**0.5
+    canon = quantize("AMXINT4", w.bfloat16(), group)
+    dense, packed = _packed("AMXINT4", group, w)
+    x = torch.randn(m, K, generator=torch.Generator().manual_seed(m + 1))
+    rows = torch.empty(m, K, dtype=torch.int8)
+    scales, sums = torch.empty(m, K // group), torch.empty(m, K // group)
+    _native.quantize_activations(
+        x.data_ptr(), m, K, group, rows.data_ptr(), scales.data_ptr(), sums.data_ptr(), per_row=True
+    )
+    assert torch.equal(scales, scales[:, :1].expand_as(scales))
+    assert torch.allclose(scales[:, 0], x.abs().amax(1) / 127)
+    out = _run(isa, "AMXINT4", True, m, K, group, (rows, scales, sums), packed, npanels)
+    q8, channel_scale = _int4_per_channel(canon, K, group)
+    exact = (rows.double() @ q8.double().T) * scales[:, :1].double() * channel_scale.double()
+    assert relative_error(out, exact.float()) <= 1e-6
+    assert relative_error(out, (rows.float() * scales[:, :1]) @ dense.T) <= 0.012
+    grouped = _inputs(True, m, K, group, seed=m)[0]
+    twin = _run("scalar", "AMXINT4", True, m, K, group, grouped, packed, npanels)
+    assert relative_error(_run(isa, "AMXINT4", True, m, K, group, grouped, packed, npanels), twin) <= 4e-3
+
+
 @pytest.mark.parametrize("method", [m.value for m in METHODS])
 def test_zero_padding_past_the_source(method):
     """K not a multiple of the group and N not of 16: packing zero-fills the rest, so a kernel over

@@ -238,13 +238,17 @@ PYBIND11_MODULE(_native, m) {
       "Packs a canonical [N, K] matrix into caller-allocated panels (packed_bytes long).");
   m.def(
       "quantize_activations",
-      [](uintptr_t x, int m, int64_t K, int group, uintptr_t q, uintptr_t scales, uintptr_t sums) {
+      [](uintptr_t x, int m, int64_t K, int group, uintptr_t q, uintptr_t scales, uintptr_t sums,
+         bool per_row) {
         if (K % group != 0) throw std::invalid_argument("K must be a multiple of the group");
         for (int i = 0; i < m; ++i)
-          quantize_activation_row(ptr<const float>(x) + i * K, K, group, ptr<int8_t>(q) + i * K,
+          quantize_activation_row(ptr<const float>(x) + i * K, K, group, per_row, ptr<int8_t>(q) + i * K,
                                   ptr<float>(scales) + i * (K / group), ptr<float>(sums) + i * (K / group));
       },
-      "Quantizes fp32 rows [m, K] to int8 per group, as the engine does its activations.");
+      py::arg("x"), py::arg("m"), py::arg("K"), py::arg("group"), py::arg("q"), py::arg("scales"),
+      py::arg("sums"), py::arg("per_row") = false,
+      "Quantizes fp32 rows [m, K] to int8 per group (with per_row: one scale per row in every group's "
+      "slot), as the engine does its activations.");
 
   // The element-wise kernels of one ISA's table, for tests (contiguous fp32 / bf16 buffers of n).
   auto table_of = [](const std::string& isa) -> const KernelTable& {

@@ -483,7 +483,7 @@ void quantize_h_row(const MoeWorkspace& ws, MoeWorkspace::PoolScratch& ps, int64
   const uint16_t* h_row[1] = {reinterpret_cast<const uint16_t*>(tiled_row(ps.h_rows.data(), pr, slice * 2))};
   const Bf16Rows h{h_row, kTiledChunkStride};
   for (int64_t k = 0; k < slice; ++k) row[k] = bf16_to_float(*kernels::bf16_at(h, 0, k));
-  quantize_activation_row(row.data(), slice, G, reinterpret_cast<int8_t*>(q.data()),
+  quantize_activation_row(row.data(), slice, G, false, reinterpret_cast<int8_t*>(q.data()),
                           ps.h_scale.data() + pr * (slice / G), ps.h_sum.data() + pr * (slice / G));
   store_tiled(tiled_row(ps.h_q.data(), pr, slice), 0, q.data(), slice);
 }
@@ -659,7 +659,8 @@ void MoeLayer::gather_inputs(const Chunk& chunk, const WorkerContext& ctx) {
       if (int8_x) {
         for (int64_t i = 0; i < H; ++i) row[i] = bf16_to_float(x[i]);
         std::fill(row.begin() + H, row.begin() + Hp, 0.0f);
-        quantize_activation_row(row.data(), Hp, G, ws.x_q.data() + t * Hp, ws.x_scale.data() + t * (Hp / G),
+        quantize_activation_row(row.data(), Hp, G, method_traits(config_.method).gate_up_input_per_row,
+                                ws.x_q.data() + t * Hp, ws.x_scale.data() + t * (Hp / G),
                                 ws.x_sum.data() + t * (Hp / G));
       }
       if (!ws.down_rows)

@@ -313,11 +313,15 @@ void quantize_rows_rowwise(const void* src, DType dtype, CanonicalMatrix& dst, i
 }
 
 namespace {
-KT_CLONES void quantize_activation_row_impl(const float* x, int64_t K, int group, int8_t* q, float* scale,
-                                            float* scaled_sum) {
+KT_CLONES void quantize_activation_row_impl(const float* x, int64_t K, int group, bool per_row, int8_t* q,
+                                            float* scale, float* scaled_sum) {
+  float row_max = 0.0f;
+  if (per_row)
+    for (int64_t i = 0; i < K; ++i) row_max = std::max(row_max, std::fabs(x[i]));
   for (int64_t g0 = 0, gi = 0; g0 < K; g0 += group, ++gi) {
-    float m = 0.0f;
-    for (int i = 0; i < group; ++i) m = std::max(m, std::fabs(x[g0 + i]));
+    float m = row_max;
+    if (!per_row)
+      for (int i = 0; i < group; ++i) m = std::max(m, std::fabs(x[g0 + i]));
     const float s = m / 127.0f;
     const float inv = m > 0.0f ? 127.0f / m : 0.0f;
     int32_t sum = 0;
@@ -333,9 +337,9 @@ KT_CLONES void quantize_activation_row_impl(const float* x, int64_t K, int group
 
 }  // namespace
 
-void quantize_activation_row(const float* x, int64_t K, int group, int8_t* q, float* scale,
+void quantize_activation_row(const float* x, int64_t K, int group, bool per_row, int8_t* q, float* scale,
                              float* scaled_sum) {
-  quantize_activation_row_impl(x, K, group, q, scale, scaled_sum);
+  quantize_activation_row_impl(x, K, group, per_row, q, scale, scaled_sum);
 }
 
 }  // namespace kt

@@ -54,8 +54,10 @@ void load_checked_row(const void* src, DType dtype, int64_t K, int64_t row, int6
 // tensors of `m` (bf16 weights, scales, mins).
 void check_finite(const CanonicalMatrix& m);
 
-// Quantizes one activation row of K floats (K a multiple of `group`) to int8 per group.
-void quantize_activation_row(const float* x, int64_t K, int group, int8_t* q, float* scale,
+// Quantizes one activation row of K floats (K a multiple of `group`) to int8: one scale per group,
+// or with `per_row` one scale for the row, written to every group's slot (MethodTraits::
+// gate_up_input_per_row). scaled_sum[g] = scale[g] * the sum of group g's int8 values.
+void quantize_activation_row(const float* x, int64_t K, int group, bool per_row, int8_t* q, float* scale,
                              float* scaled_sum);
 
 }  // namespace kt

@@ -49,11 +49,161 @@ inline void stage_group(const uint8_t* w, int group, int64_t gbytes, uint8_t* ou
   else                              \
     _tile_dpbsud(c, a, b)
 
+// INT4 rows with one activation scale per row (MethodTraits::int8_scale_per_row), from this many
+// rows: a call requantizes its panels to int8 with one scale per channel, so that a block of rows
+// sums all of K in the tiles and scales once (gemm_int4_whole_k).
+inline constexpr int kWholeKMinRows = 64;
+
+inline bool one_scale_per_row(const QuantRows& a, int m, int64_t groups) {
+  for (int i = 0; i < m; ++i)
+    for (int64_t g = 1; g < groups; ++g)
+      if (a.scale[i][g] != a.scale[i][0]) return false;
+  return true;
+}
+
+// One INT4 panel over all of K as signed int8 B-tile rows (K / 4 rows of 16 channels x 4 K-values)
+// with one scale per channel: q8 = round(w * 127 / max|w|) for w = scale * q + min, computed in 16-bit
+// fixed point (8 fraction bits; A = scale * f and B = min * f + 1/2 rounded per group, f = 127 * 256 /
+// max|w|). channel_scale[c] = max|w| / 127, the bound of the channel's w over its groups.
+inline void stage_int4_panel_per_channel(const uint8_t* panel, int64_t K, int group, uint8_t* out,
+                                         float* channel_scale) {
+  const int64_t groups = K / group;
+  const int64_t gbytes = group_bytes(Method::kInt4, group), wbytes = group_weight_bytes(Method::kInt4, group);
+  auto scales_of = [&](int64_t g, __m512& ws, __m512& wm) {
+    const uint8_t* s = panel + g * gbytes + wbytes;
+    ws = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
+    wm = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 32)));
+  };
+  __m512 peak = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 ws, wm;
+    scales_of(g, ws, wm);
+    const __m512 top = _mm512_add_ps(wm, _mm512_mul_ps(_mm512_set1_ps(15.0f), ws));
+    peak = _mm512_max_ps(peak, _mm512_max_ps(_mm512_abs_ps(wm), _mm512_abs_ps(top)));
+  }
+  _mm512_storeu_ps(channel_scale, _mm512_div_ps(peak, _mm512_set1_ps(127.0f)));
+  const __mmask16 live = _mm512_cmp_ps_mask(peak, _mm512_setzero_ps(), _CMP_GT_OQ);
+  const __m512 fixed = _mm512_maskz_div_ps(live, _mm512_set1_ps(127.0f * 256.0f), peak);
+  // int16 lane i of a 32-byte half of a tile row belongs to channel i / 4 of that half; the int32
+  // of channel c holds its value in int16 lane 2c.
+  alignas(64) int16_t spread[2][32];
+  for (int i = 0; i < 32; ++i)
+    spread[0][i] = static_cast<int16_t>(2 * (i / 4)), spread[1][i] = spread[0][i] + 16;
+  const __m512i to_lo = _mm512_load_si512(spread[0]), to_hi = _mm512_load_si512(spread[1]);
+  const __m512i qword_order = _mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7);
+  const __m512i nibble = _mm512_set1_epi8(0x0f);
+  const int half = group / 8;
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 ws, wm;
+    scales_of(g, ws, wm);
+    const __m512i a32 = _mm512_cvtps_epi32(_mm512_mul_ps(ws, fixed));
+    const __m512i b32 =
+        _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(wm, fixed)), _mm512_set1_epi32(128));
+    const __m512i a_lo = _mm512_permutexvar_epi16(to_lo, a32), a_hi = _mm512_permutexvar_epi16(to_hi, a32);
+    const __m512i b_lo = _mm512_permutexvar_epi16(to_lo, b32), b_hi = _mm512_permutexvar_epi16(to_hi, b32);
+    auto requantize = [&](__m512i q) {
+      __m512i lo = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(q));
+      __m512i hi = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(q, 1));
+      lo = _mm512_srai_epi16(_mm512_add_epi16(_mm512_mullo_epi16(lo, a_lo), b_lo), 8);
+      hi = _mm512_srai_epi16(_mm512_add_epi16(_mm512_mullo_epi16(hi, a_hi), b_hi), 8);
+      return _mm512_permutexvar_epi64(qword_order, _mm512_packs_epi16(lo, hi));
+    };
+    const uint8_t* w = panel + g * gbytes;
+    uint8_t* dst = out + g * group / 4 * 64;
+    for (int r = 0; r < half; ++r) {
+      const __m512i v = _mm512_loadu_si512(w + r * 64);
+      _mm512_store_si512(dst + r * 64, requantize(_mm512_and_si512(v, nibble)));
+      _mm512_store_si512(dst + (r + half) * 64,
+                         requantize(_mm512_and_si512(_mm512_srli_epi16(v, 4), nibble)));
+    }
+  }
+}
+
+// INT4 with one activation scale per row: per channel pair, both panels requantized over all of K
+// (stage_int4_panel_per_channel, 32 * K bytes in L2), then per block of 32 rows 2 A and 2 B tile
+// loads and 4 tdpbssd per 64 K-values, the sums kept in the tiles over all of K, and one epilogue
+// (c = sum * row scale * channel scale). The group epilogue of gemm_quant, 4 vector operations per
+// 16 sums per group, is what bounds that kernel.
+inline void gemm_int4_whole_k(int m, int64_t K, int group, const QuantRows& a, const uint8_t* panels,
+                              int npanels, float* c, int64_t ldc) {
+  configure_tiles(64);
+  const int blocks = (m + kRowBlock - 1) / kRowBlock;
+  const int64_t pbytes = panel_bytes(Method::kInt4, group, K);
+  const int64_t ksteps = K / 64;
+  struct Scratch {
+    AlignedVector<uint8_t> stage;      // rows that are not tiled yet
+    std::vector<const uint8_t*> base;  // per row block
+    AlignedVector<uint8_t> weights;    // the pair's panels as int8 B-tile rows
+    alignas(64) int32_t dots[32][32];
+    alignas(64) float channel_scale[32];
+  };
+  Scratch& scratch = *thread_scratch<Scratch>();
+  auto& stage = scratch.stage;
+  auto& base = scratch.base;
+  auto& weights = scratch.weights;
+  auto& dots = scratch.dots;
+  float* channel_scale = scratch.channel_scale;
+  if (stage.size() < static_cast<size_t>(blocks * kRowBlock * K)) stage.resize(blocks * kRowBlock * K);
+  if (weights.size() < static_cast<size_t>(32 * K)) weights.resize(32 * K);
+  base.resize(blocks);
+  for (int b = 0; b < blocks; ++b) {
+    const int rows = std::min(kRowBlock, m - b * kRowBlock);
+    base[b] = tiled_block(reinterpret_cast<const uint8_t* const*>(a.rows + b * kRowBlock), a.chunk_stride,
+                          rows, K, stage.data() + b * kRowBlock * K);
+  }
+  for (int p = 0; p < npanels; p += 2) {
+    const bool two = p + 1 < npanels;
+    uint8_t* b0 = weights.data();
+    uint8_t* b1 = two ? b0 + 16 * K : b0;
+    stage_int4_panel_per_channel(panels + p * pbytes, K, group, b0, channel_scale);
+    if (two) stage_int4_panel_per_channel(panels + (p + 1) * pbytes, K, group, b1, channel_scale + 16);
+    for (int b = 0; b < blocks; ++b) {
+      const int rows = std::min(kRowBlock, m - b * kRowBlock);
+      const bool lower = rows > 16;  // else the lower A tile is all padding
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t t = 0; t < ksteps; ++t) {
+        const uint8_t* chunk = base[b] + t * kTiledChunkStride;
+        _tile_loadd(6, b0 + t * 1024, 64);
+        _tile_loadd(7, b1 + t * 1024, 64);
+        _tile_loadd(4, chunk, 64);
+        _tile_dpbssd(0, 4, 6);
+        _tile_dpbssd(1, 4, 7);
+        if (lower) {
+          _tile_loadd(5, chunk + 16 * 64, 64);
+          _tile_dpbssd(2, 5, 6);
+          _tile_dpbssd(3, 5, 7);
+        }
+      }
+      _tile_stored(0, &dots[0][0], 128);
+      _tile_stored(1, &dots[0][16], 128);
+      if (lower) {
+        _tile_stored(2, &dots[16][0], 128);
+        _tile_stored(3, &dots[16][16], 128);
+      }
+      for (int i = 0; i < rows; ++i) {
+        const int r = b * kRowBlock + i;
+        const __m512 sa = _mm512_set1_ps(a.scale[r][0]);
+        for (int h = 0; h < (two ? 2 : 1); ++h) {
+          const __m512 sum = _mm512_cvtepi32_ps(_mm512_load_si512(&dots[i][16 * h]));
+          const __m512 scale = _mm512_mul_ps(_mm512_loadu_ps(channel_scale + 16 * h), sa);
+          _mm512_storeu_ps(c + r * ldc + (p + h) * kPanelWidth, _mm512_mul_ps(sum, scale));
+        }
+      }
+    }
+  }
+}
+
 template <Method M>
 void gemm_quant(int m, int64_t K, int group, const QuantRows& a, const uint8_t* panels, int npanels, float* c,
                 int64_t ldc, GemmQ8Fn small) {
   static_assert(kIntegerMethod<M>, "the integer GEMM decodes AMXINT8 and AMXINT4 weights only");
   if (m <= 4 || group % 32 != 0) return small(m, K, group, a, panels, npanels, c, ldc);
+  if constexpr (M == Method::kInt4)
+    if (m >= kWholeKMinRows && one_scale_per_row(a, m, K / group))
+      return gemm_int4_whole_k(m, K, group, a, panels, npanels, c, ldc);
   const int k_bytes = std::min(group, 64);  // K-values per dot product
   configure_tiles(k_bytes);
   const int64_t groups = K / group;
