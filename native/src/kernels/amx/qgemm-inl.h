@@ -64,66 +64,93 @@ inline bool one_scale_per_row(const QuantRows& a, int m, int64_t groups) {
 // One INT4 panel over all of K as signed int8 B-tile rows (K / 4 rows of 16 channels x 4 K-values)
 // with one scale per channel: q8 = round(w * 127 / max|w|) for w = scale * q + min, computed in 16-bit
 // fixed point (8 fraction bits; A = scale * f and B = min * f + 1/2 rounded per group, f = 127 * 256 /
-// max|w|). channel_scale[c] = max|w| / 127, the bound of the channel's w over its groups.
-inline void stage_int4_panel_per_channel(const uint8_t* panel, int64_t K, int group, uint8_t* out,
-                                         float* channel_scale) {
-  const int64_t groups = K / group;
-  const int64_t gbytes = group_bytes(Method::kInt4, group), wbytes = group_weight_bytes(Method::kInt4, group);
-  auto scales_of = [&](int64_t g, __m512& ws, __m512& wm) {
-    const uint8_t* s = panel + g * gbytes + wbytes;
-    ws = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
-    wm = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 32)));
-  };
-  __m512 peak = _mm512_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {
-    __m512 ws, wm;
-    scales_of(g, ws, wm);
-    const __m512 top = _mm512_add_ps(wm, _mm512_mul_ps(_mm512_set1_ps(15.0f), ws));
-    peak = _mm512_max_ps(peak, _mm512_max_ps(_mm512_abs_ps(wm), _mm512_abs_ps(top)));
+// max|w|). channel_scale[c] = max|w| / 127, the bound of the channel's w over its groups. The work goes
+// a few packed rows at a time (`stage`), so that a kernel can spread it over its tile instructions.
+class Int4PanelStager {
+ public:
+  Int4PanelStager() = default;
+  Int4PanelStager(const uint8_t* panel, int64_t K, int group, uint8_t* out, float* channel_scale)
+      : panel_(panel),
+        out_(out),
+        group_(group),
+        half_(group / 8),
+        groups_(K / group),
+        gbytes_(group_bytes(Method::kInt4, group)),
+        wbytes_(group_weight_bytes(Method::kInt4, group)) {
+    __m512 peak = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups_; ++g) {
+      __m512 ws, wm;
+      scales_of(g, ws, wm);
+      const __m512 top = _mm512_add_ps(wm, _mm512_mul_ps(_mm512_set1_ps(15.0f), ws));
+      peak = _mm512_max_ps(peak, _mm512_max_ps(_mm512_abs_ps(wm), _mm512_abs_ps(top)));
+    }
+    _mm512_storeu_ps(channel_scale, _mm512_div_ps(peak, _mm512_set1_ps(127.0f)));
+    const __mmask16 live = _mm512_cmp_ps_mask(peak, _mm512_setzero_ps(), _CMP_GT_OQ);
+    fixed_ = _mm512_maskz_div_ps(live, _mm512_set1_ps(127.0f * 256.0f), peak);
   }
-  _mm512_storeu_ps(channel_scale, _mm512_div_ps(peak, _mm512_set1_ps(127.0f)));
-  const __mmask16 live = _mm512_cmp_ps_mask(peak, _mm512_setzero_ps(), _CMP_GT_OQ);
-  const __m512 fixed = _mm512_maskz_div_ps(live, _mm512_set1_ps(127.0f * 256.0f), peak);
-  // int16 lane i of a 32-byte half of a tile row belongs to channel i / 4 of that half; the int32
-  // of channel c holds its value in int16 lane 2c.
-  alignas(64) int16_t spread[2][32];
-  for (int i = 0; i < 32; ++i)
-    spread[0][i] = static_cast<int16_t>(2 * (i / 4)), spread[1][i] = spread[0][i] + 16;
-  const __m512i to_lo = _mm512_load_si512(spread[0]), to_hi = _mm512_load_si512(spread[1]);
-  const __m512i qword_order = _mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7);
-  const __m512i nibble = _mm512_set1_epi8(0x0f);
-  const int half = group / 8;
-  for (int64_t g = 0; g < groups; ++g) {
-    __m512 ws, wm;
-    scales_of(g, ws, wm);
-    const __m512i a32 = _mm512_cvtps_epi32(_mm512_mul_ps(ws, fixed));
-    const __m512i b32 =
-        _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(wm, fixed)), _mm512_set1_epi32(128));
-    const __m512i a_lo = _mm512_permutexvar_epi16(to_lo, a32), a_hi = _mm512_permutexvar_epi16(to_hi, a32);
-    const __m512i b_lo = _mm512_permutexvar_epi16(to_lo, b32), b_hi = _mm512_permutexvar_epi16(to_hi, b32);
-    auto requantize = [&](__m512i q) {
-      __m512i lo = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(q));
-      __m512i hi = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(q, 1));
-      lo = _mm512_srai_epi16(_mm512_add_epi16(_mm512_mullo_epi16(lo, a_lo), b_lo), 8);
-      hi = _mm512_srai_epi16(_mm512_add_epi16(_mm512_mullo_epi16(hi, a_hi), b_hi), 8);
-      return _mm512_permutexvar_epi64(qword_order, _mm512_packs_epi16(lo, hi));
-    };
-    const uint8_t* w = panel + g * gbytes;
-    uint8_t* dst = out + g * group / 4 * 64;
-    for (int r = 0; r < half; ++r) {
-      const __m512i v = _mm512_loadu_si512(w + r * 64);
-      _mm512_store_si512(dst + r * 64, requantize(_mm512_and_si512(v, nibble)));
-      _mm512_store_si512(dst + (r + half) * 64,
+
+  int64_t rows_left() const { return (groups_ - g_) * half_ - r_; }
+
+  // The next n packed rows (64 bytes: two B-tile rows, the low and the high nibbles), fewer at the end.
+  void stage(int64_t n) {
+    for (; n > 0 && g_ < groups_; --n) {
+      if (r_ == 0) start_group();
+      const __m512i v = _mm512_loadu_si512(panel_ + g_ * gbytes_ + r_ * 64);
+      const __m512i nibble = _mm512_set1_epi8(0x0f);
+      uint8_t* dst = out_ + g_ * group_ / 4 * 64;
+      _mm512_store_si512(dst + r_ * 64, requantize(_mm512_and_si512(v, nibble)));
+      _mm512_store_si512(dst + (r_ + half_) * 64,
                          requantize(_mm512_and_si512(_mm512_srli_epi16(v, 4), nibble)));
+      if (++r_ == half_) r_ = 0, ++g_;
     }
   }
-}
+
+ private:
+  void scales_of(int64_t g, __m512& ws, __m512& wm) const {
+    const uint8_t* s = panel_ + g * gbytes_ + wbytes_;
+    ws = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
+    wm = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 32)));
+  }
+
+  void start_group() {
+    __m512 ws, wm;
+    scales_of(g_, ws, wm);
+    const __m512i a32 = _mm512_cvtps_epi32(_mm512_mul_ps(ws, fixed_));
+    const __m512i b32 =
+        _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(wm, fixed_)), _mm512_set1_epi32(128));
+    // int16 lane i of a 32-byte half of a tile row belongs to channel i / 4 of that half; the int32
+    // of channel c holds its value in int16 lane 2c.
+    const __m512i to_lo = _mm512_set_epi16(14, 14, 14, 14, 12, 12, 12, 12, 10, 10, 10, 10, 8, 8, 8, 8, 6, 6,
+                                           6, 6, 4, 4, 4, 4, 2, 2, 2, 2, 0, 0, 0, 0);
+    const __m512i to_hi = _mm512_add_epi16(to_lo, _mm512_set1_epi16(16));
+    a_lo_ = _mm512_permutexvar_epi16(to_lo, a32), a_hi_ = _mm512_permutexvar_epi16(to_hi, a32);
+    b_lo_ = _mm512_permutexvar_epi16(to_lo, b32), b_hi_ = _mm512_permutexvar_epi16(to_hi, b32);
+  }
+
+  __m512i requantize(__m512i q) const {
+    __m512i lo = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(q));
+    __m512i hi = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(q, 1));
+    lo = _mm512_srai_epi16(_mm512_add_epi16(_mm512_mullo_epi16(lo, a_lo_), b_lo_), 8);
+    hi = _mm512_srai_epi16(_mm512_add_epi16(_mm512_mullo_epi16(hi, a_hi_), b_hi_), 8);
+    return _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7), _mm512_packs_epi16(lo, hi));
+  }
+
+  const uint8_t* panel_ = nullptr;
+  uint8_t* out_ = nullptr;
+  int group_ = 0, half_ = 0;
+  int64_t groups_ = 0, gbytes_ = 0, wbytes_ = 0;
+  int64_t g_ = 0;
+  int r_ = 0;
+  __m512 fixed_ = _mm512_setzero_ps();
+  __m512i a_lo_, a_hi_, b_lo_, b_hi_;
+};
 
 // INT4 with one activation scale per row: per channel pair, both panels requantized over all of K
-// (stage_int4_panel_per_channel, 32 * K bytes in L2), then per block of 32 rows 2 A and 2 B tile
-// loads and 4 tdpbssd per 64 K-values, the sums kept in the tiles over all of K, and one epilogue
-// (c = sum * row scale * channel scale). The group epilogue of gemm_quant, 4 vector operations per
-// 16 sums per group, is what bounds that kernel.
+// (Int4PanelStager, 32 * K bytes in L2), then per block of 32 rows 2 A and 2 B tile loads and 4
+// tdpbssd per 64 K-values, the sums kept in the tiles over all of K, and one epilogue (c = sum * row
+// scale * channel scale). The group epilogue of gemm_quant, 4 vector operations per 16 sums per
+// group, is what bounds that kernel. The next pair is requantized a few rows per K-step, between the
+// tile instructions of this one (two sets of staged weights).
 inline void gemm_int4_whole_k(int m, int64_t K, int group, const QuantRows& a, const uint8_t* panels,
                               int npanels, float* c, int64_t ldc) {
   configure_tiles(64);
@@ -133,30 +160,51 @@ inline void gemm_int4_whole_k(int m, int64_t K, int group, const QuantRows& a, c
   struct Scratch {
     AlignedVector<uint8_t> stage;      // rows that are not tiled yet
     std::vector<const uint8_t*> base;  // per row block
-    AlignedVector<uint8_t> weights;    // the pair's panels as int8 B-tile rows
+    AlignedVector<uint8_t> weights;    // two sets of a pair's panels as int8 B-tile rows
     alignas(64) int32_t dots[32][32];
-    alignas(64) float channel_scale[32];
+    alignas(64) float channel_scale[2][32];
   };
   Scratch& scratch = *thread_scratch<Scratch>();
   auto& stage = scratch.stage;
   auto& base = scratch.base;
   auto& weights = scratch.weights;
   auto& dots = scratch.dots;
-  float* channel_scale = scratch.channel_scale;
+  auto& channel_scale = scratch.channel_scale;
   if (stage.size() < static_cast<size_t>(blocks * kRowBlock * K)) stage.resize(blocks * kRowBlock * K);
-  if (weights.size() < static_cast<size_t>(32 * K)) weights.resize(32 * K);
+  if (weights.size() < static_cast<size_t>(64 * K)) weights.resize(64 * K);
   base.resize(blocks);
   for (int b = 0; b < blocks; ++b) {
     const int rows = std::min(kRowBlock, m - b * kRowBlock);
     base[b] = tiled_block(reinterpret_cast<const uint8_t* const*>(a.rows + b * kRowBlock), a.chunk_stride,
                           rows, K, stage.data() + b * kRowBlock * K);
   }
+  Int4PanelStager next[2];
+  auto start_pair = [&](int p) {  // into set (p / 2) % 2
+    uint8_t* out = weights.data() + (p / 2 % 2) * 32 * K;
+    for (int h = 0; h < 2; ++h)
+      next[h] = p + h < npanels ? Int4PanelStager(panels + (p + h) * pbytes, K, group, out + h * 16 * K,
+                                                  channel_scale[p / 2 % 2] + 16 * h)
+                                : Int4PanelStager();
+  };
+  auto stage_next = [&](int64_t n) {
+    const int64_t first = std::min(n, next[0].rows_left());
+    next[0].stage(first);
+    next[1].stage(n - first);
+  };
+  start_pair(0);
+  stage_next(next[0].rows_left() + next[1].rows_left());
   for (int p = 0; p < npanels; p += 2) {
     const bool two = p + 1 < npanels;
-    uint8_t* b0 = weights.data();
-    uint8_t* b1 = two ? b0 + 16 * K : b0;
-    stage_int4_panel_per_channel(panels + p * pbytes, K, group, b0, channel_scale);
-    if (two) stage_int4_panel_per_channel(panels + (p + 1) * pbytes, K, group, b1, channel_scale + 16);
+    const int set = p / 2 % 2;
+    const uint8_t* b0 = weights.data() + set * 32 * K;
+    const uint8_t* b1 = two ? b0 + 16 * K : b0;
+    const float* scale = channel_scale[set];
+    int64_t per_step = 0;
+    if (p + 2 < npanels) {
+      start_pair(p + 2);
+      const int64_t rows = next[0].rows_left() + next[1].rows_left();
+      per_step = (rows + blocks * ksteps - 1) / (blocks * ksteps);
+    }
     for (int b = 0; b < blocks; ++b) {
       const int rows = std::min(kRowBlock, m - b * kRowBlock);
       const bool lower = rows > 16;  // else the lower A tile is all padding
@@ -176,6 +224,7 @@ inline void gemm_int4_whole_k(int m, int64_t K, int group, const QuantRows& a, c
           _tile_dpbssd(2, 5, 6);
           _tile_dpbssd(3, 5, 7);
         }
+        if (per_step) stage_next(per_step);
       }
       _tile_stored(0, &dots[0][0], 128);
       _tile_stored(1, &dots[0][16], 128);
@@ -188,8 +237,8 @@ inline void gemm_int4_whole_k(int m, int64_t K, int group, const QuantRows& a, c
         const __m512 sa = _mm512_set1_ps(a.scale[r][0]);
         for (int h = 0; h < (two ? 2 : 1); ++h) {
           const __m512 sum = _mm512_cvtepi32_ps(_mm512_load_si512(&dots[i][16 * h]));
-          const __m512 scale = _mm512_mul_ps(_mm512_loadu_ps(channel_scale + 16 * h), sa);
-          _mm512_storeu_ps(c + r * ldc + (p + h) * kPanelWidth, _mm512_mul_ps(sum, scale));
+          const __m512 s = _mm512_mul_ps(_mm512_loadu_ps(scale + 16 * h), sa);
+          _mm512_storeu_ps(c + r * ldc + (p + h) * kPanelWidth, _mm512_mul_ps(sum, s));
         }
       }
     }
