@@ -37,9 +37,11 @@ KernelTable make_table(Isa isa) {
     t.sum_to_bf16 = kernels::avx512::sum_to_bf16, t.isa_vector = Isa::kAvx512;
   }
   // A16 gate/up over the int8-input kernel, whole layer: DeepSeek at 2048 tokens (256 rows per
-  // expert, K 7168) INT8 x0.98-1.02, INT4 x1.04-1.09; at 512 tokens (64 rows) x0.92; Qwen3 at 2048
-  // tokens (128 rows) x0.95-1.04. Hence A16 only from 160 rows.
-  if (isa >= Isa::kAmx) t.gate_up_a16_min_rows = 160;
+  // expert, K 7168) INT8 x0.98-1.02; at 512 tokens (64 rows) x0.92; Qwen3 at 2048 tokens (128 rows)
+  // x0.95-1.04. Hence INT8's A16 only from 160 rows. INT4's int8-input kernel sums all of K in the
+  // tiles from 64 rows (amx/qgemm-inl.h) and is the faster at every size (Qwen3 at 4096 tokens, 256
+  // rows per expert: x1.13-1.23 without A16).
+  if (isa >= Isa::kAmx) t.methods[static_cast<int>(Method::kInt8)].gate_up_a16_min_rows = 160;
   for (const auto& m : kMethodTable) {
     const MethodKernels& k = t.method(m.method);
     const bool needs_q8 = m.gate_up_input == Activation::kInt8 || m.down_input == Activation::kInt8;

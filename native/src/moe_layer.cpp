@@ -574,7 +574,8 @@ void MoeLayer::route(const Chunk& chunk) {
   MoeWorkspace& ws = *workspace_;
   const auto& [args, c0, Tc, E, K, P, G, H, Hp, Hy, Gh, int8_x, int8_h, gemm_q, gemm_a16] = chunk;
   const int64_t elem = int8_x ? 1 : 2;  // bytes per gathered activation value
-  ws.bad_routing = true;                // until routing succeeds
+  const int a16_min_rows = table_.method(config_.method).gate_up_a16_min_rows;
+  ws.bad_routing = true;  // until routing succeeds
   ws.failed.store(false, std::memory_order_relaxed);
   guarded(*runner_, ws, [&] {
     auto id_at = [&](int64_t t, int j) -> int64_t {
@@ -605,7 +606,7 @@ void MoeLayer::route(const Chunk& chunk) {
       ws.offsets[e + 1] = ws.offsets[e] + ws.counts[e];
       ws.padded_offsets[e + 1] = ws.padded_offsets[e] + round_up(ws.counts[e], kRowBlock);
       if (ws.counts[e] > 0) ws.active.push_back(e);
-      ws.a16[e] = int8_x && table_.gate_up_a16_min_rows > 0 && ws.counts[e] >= table_.gate_up_a16_min_rows;
+      ws.a16[e] = int8_x && a16_min_rows > 0 && ws.counts[e] >= a16_min_rows;
       any_a16 = any_a16 || ws.a16[e];
     }
     const int64_t R = ws.offsets[E], Rp = ws.padded_offsets[E];

@@ -59,6 +59,10 @@ struct MethodKernels {
   GemmQ8Fn gemm_q8 = nullptr;  // null for methods that never read int8 activations
   GemmA16Fn gemm_a16 = nullptr;
   Isa isa_q8 = Isa::kScalar, isa_a16 = Isa::kScalar;
+  // Experts of a method with int8 gate/up inputs that have at least this many rows run gate/up
+  // through the A16 kernel (bf16 inputs, no per-group epilogue); 0: never (the int8-input kernel is
+  // faster at every size).
+  int gate_up_a16_min_rows = 0;
 };
 
 struct KernelTable {
@@ -68,10 +72,6 @@ struct KernelTable {
   AddWeightedFn add_weighted;
   SumToBf16Fn sum_to_bf16;
   Isa isa_vector;
-  // Experts of methods with int8 gate/up inputs that have at least this many rows run gate/up
-  // through the A16 kernel (bf16 inputs, no per-group epilogue); 0: never (the int8-input kernel is
-  // faster at every size).
-  int gate_up_a16_min_rows;
   const MethodKernels& method(Method m) const { return methods[static_cast<int>(m)]; }
 };
 
