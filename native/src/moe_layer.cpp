@@ -482,7 +482,10 @@ void quantize_h_row(const MoeWorkspace& ws, MoeWorkspace::PoolScratch& ps, int64
   const int64_t pr = r + padding_before(ws, e);
   const uint16_t* h_row[1] = {reinterpret_cast<const uint16_t*>(tiled_row(ps.h_rows.data(), pr, slice * 2))};
   const Bf16Rows h{h_row, kTiledChunkStride};
-  for (int64_t k = 0; k < slice; ++k) row[k] = bf16_to_float(*kernels::bf16_at(h, 0, k));
+  for (int64_t k0 = 0; k0 < slice; k0 += kChunkBytes / 2) {  // a chunk's values at a time: vectorized
+    const uint16_t* chunk = kernels::bf16_at(h, 0, k0);
+    for (int64_t j = 0; j < kChunkBytes / 2; ++j) row[k0 + j] = bf16_to_float(chunk[j]);
+  }
   quantize_activation_row(row.data(), slice, G, false, reinterpret_cast<int8_t*>(q.data()),
                           ps.h_scale.data() + pr * (slice / G), ps.h_sum.data() + pr * (slice / G));
   store_tiled(tiled_row(ps.h_q.data(), pr, slice), 0, q.data(), slice);

@@ -70,9 +70,16 @@ KT_CLONES void int4_codes(const float* w, int64_t n, float s, float m, uint8_t* 
     q[i] = static_cast<uint8_t>(std::min(15.0f, std::max(0.0f, round_even((w[i] - m) * inv))));
 }
 
+// Sixteen running maxima: a single one is a reduction GCC does not vectorize without -ffast-math
+// (a scalar loop here took 10% of an INT4 prefill, quantizing the activations).
 KT_CLONES float abs_max(const float* x, int64_t n) {
+  float partial[16] = {};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int j = 0; j < 16; ++j) partial[j] = std::max(partial[j], std::fabs(x[i + j]));
   float m = 0.0f;
-  for (int64_t i = 0; i < n; ++i) m = std::max(m, std::fabs(x[i]));
+  for (; i < n; ++i) m = std::max(m, std::fabs(x[i]));
+  for (float v : partial) m = std::max(m, v);
   return m;
 }
 
@@ -315,13 +322,9 @@ void quantize_rows_rowwise(const void* src, DType dtype, CanonicalMatrix& dst, i
 namespace {
 KT_CLONES void quantize_activation_row_impl(const float* x, int64_t K, int group, bool per_row, int8_t* q,
                                             float* scale, float* scaled_sum) {
-  float row_max = 0.0f;
-  if (per_row)
-    for (int64_t i = 0; i < K; ++i) row_max = std::max(row_max, std::fabs(x[i]));
+  const float row_max = per_row ? abs_max(x, K) : 0.0f;
   for (int64_t g0 = 0, gi = 0; g0 < K; g0 += group, ++gi) {
-    float m = row_max;
-    if (!per_row)
-      for (int i = 0; i < group; ++i) m = std::max(m, std::fabs(x[g0 + i]));
+    const float m = per_row ? row_max : abs_max(x + g0, group);
     const float s = m / 127.0f;
     const float inv = m > 0.0f ? 127.0f / m : 0.0f;
     int32_t sum = 0;
