@@ -70,3 +70,20 @@ def test_load_benchmark(tmp_path):
     held = {row["hot_fraction"]: row["packed_mib"] for row in r["rows"]}
     assert held[0.25] == pytest.approx(0.75 * held[0.0])  # the hot experts are not held
     assert all(row["final_mib"] >= 0.9 * row["packed_mib"] and row["within_bound"] for row in r["rows"])
+
+
+def test_amx_kernel_benchmark_on_the_tile_model(tmp_path):
+    """The per-core AMX kernel benchmark runs on the tile unit's model (timings there mean nothing;
+    the device check runs it on the tile unit)."""
+    from kt_sglang.engine.native import _native
+
+    if "amx-emu" not in _native.supported_isas():
+        pytest.skip("the modelled AMX kernels need AVX-512 with VNNI, BF16 and VBMI")
+    r = run_bench(
+        "bench_amx_kernels.py", tmp_path, "--isa", "amx-emu", "--shapes", "qwen3-down",
+        "--rows", "64", "--calls", "1",
+    )  # fmt: skip
+    point = r["points"]["qwen3-down/m64"]
+    assert r["isa"] == "amx-emu" and r["group"] == 64
+    assert set(point) == {"int4-group", "int4-whole-k", "int8-group", "bf16", "whole_k_over_group"}
+    assert all(v > 0 for v in point.values())
