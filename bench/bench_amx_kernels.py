@@ -8,6 +8,7 @@ compare):
   int4-group   AMXINT4, int8 rows with a scale per group: the group kernel (an epilogue per group)
   int4-whole-k AMXINT4, int8 rows with one scale per row: from 64 rows the kernel that requantizes
                the panels per channel and sums all of K in the tiles (docs/engine.md)
+  int4-a16     AMXINT4, bf16 rows: the panels dequantized to bf16, then tdpbf16ps over all of K
   int8-group   AMXINT8, int8 rows with a scale per group
   bf16         BF16 weights, bf16 rows
 
@@ -72,6 +73,7 @@ def run(isa: str, shapes: list[str], rows: list[int], calls: int) -> dict:
             kernels = {
                 "int4-group": ("AMXINT4", True, grouped),
                 "int4-whole-k": ("AMXINT4", True, per_row),
+                "int4-a16": ("AMXINT4", False, (x16, None, None)),
                 "int8-group": ("AMXINT8", True, grouped),
                 "bf16": ("BF16", False, (x16, None, None)),
             }

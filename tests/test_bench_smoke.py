@@ -85,5 +85,12 @@ def test_amx_kernel_benchmark_on_the_tile_model(tmp_path):
     )  # fmt: skip
     point = r["points"]["qwen3-down/m64"]
     assert r["isa"] == "amx-emu" and r["group"] == 64
-    assert set(point) == {"int4-group", "int4-whole-k", "int8-group", "bf16", "whole_k_over_group"}
+    assert set(point) == {
+        "int4-group",
+        "int4-whole-k",
+        "int4-a16",
+        "int8-group",
+        "bf16",
+        "whole_k_over_group",
+    }
     assert all(v > 0 for v in point.values())

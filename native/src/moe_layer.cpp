@@ -104,6 +104,9 @@ struct MoeWorkspace {
   // the A16 kernel (a16[e]), bf16 in x_rows16 instead, at the same padded rows.
   AlignedVector<uint8_t> x_rows, x_rows16;
   std::vector<char> a16;  // [E]
+  // int8_h methods: experts whose down projection reads the bf16 h through the A16 kernel
+  // (MethodKernels::down_a16_min_rows); their h is not quantized.
+  std::vector<char> down_a16;  // [E]
   struct PoolScratch {
     AlignedVector<uint8_t> h_rows;  // per row, tiled: the bf16 intermediate (every method)
     // int8_h methods: h per row quantized to int8 (tiled, same padded rows), scales and sums per group
@@ -578,6 +581,7 @@ void MoeLayer::route(const Chunk& chunk) {
   const auto& [args, c0, Tc, E, K, P, G, H, Hp, Hy, Gh, int8_x, int8_h, gemm_q, gemm_a16] = chunk;
   const int64_t elem = int8_x ? 1 : 2;  // bytes per gathered activation value
   const int a16_min_rows = table_.method(config_.method).gate_up_a16_min_rows;
+  const int down_a16_min_rows = table_.method(config_.method).down_a16_min_rows;
   ws.bad_routing = true;  // until routing succeeds
   ws.failed.store(false, std::memory_order_relaxed);
   guarded(*runner_, ws, [&] {
@@ -604,6 +608,7 @@ void MoeLayer::route(const Chunk& chunk) {
     ws.padded_offsets.assign(E + 1, 0);
     ws.active.clear();
     ws.a16.assign(E, 0);
+    ws.down_a16.assign(E, 0);
     bool any_a16 = false;
     for (int e = 0; e < E; ++e) {
       ws.offsets[e + 1] = ws.offsets[e] + ws.counts[e];
@@ -611,6 +616,7 @@ void MoeLayer::route(const Chunk& chunk) {
       if (ws.counts[e] > 0) ws.active.push_back(e);
       ws.a16[e] = int8_x && a16_min_rows > 0 && ws.counts[e] >= a16_min_rows;
       any_a16 = any_a16 || ws.a16[e];
+      ws.down_a16[e] = int8_h && down_a16_min_rows > 0 && ws.counts[e] >= down_a16_min_rows;
     }
     const int64_t R = ws.offsets[E], Rp = ws.padded_offsets[E];
     grow(ws.row_token, R), grow(ws.row_expert, R), grow(ws.row_weight, R), grow(ws.slot_row, Tc * K);
@@ -776,7 +782,7 @@ void MoeLayer::gate_up(const Chunk& chunk, const WorkerContext& ctx) {
           if (ps.ready[a].fetch_add(last - first, std::memory_order_acq_rel) + last - first < slice_groups)
             return;
           const int e = ws.active[a];
-          if (int8_h)
+          if (int8_h && !ws.down_a16[e])
             for (int64_t r = ws.offsets[e]; r < ws.offsets[e + 1]; ++r)
               quantize_h_row(ws, ps, slice, G, e, r);
           ps.ready[a].store(slice_groups + 1, std::memory_order_release);
@@ -793,9 +799,10 @@ void MoeLayer::quantize_h(const Chunk& chunk, const WorkerContext& ctx) {
   const int G = chunk.G;
   guarded(*runner_, ws, [&] {
     for (int e : ws.active)
-      for (int64_t r = first_row_of(ws.offsets[e], ctx.rank_in_pool, ctx.pool_size); r < ws.offsets[e + 1];
-           r += ctx.pool_size)
-        quantize_h_row(ws, ps, slice, G, e, r);
+      if (!ws.down_a16[e])
+        for (int64_t r = first_row_of(ws.offsets[e], ctx.rank_in_pool, ctx.pool_size); r < ws.offsets[e + 1];
+             r += ctx.pool_size)
+          quantize_h_row(ws, ps, slice, G, e, r);
   });
 }
 
@@ -824,7 +831,7 @@ void MoeLayer::down(const Chunk& chunk, const WorkerContext& ctx) {
       const int64_t step = rows_per_call(ws.counts[e]);
       for (int64_t r0 = ws.offsets[e]; r0 < ws.offsets[e + 1]; r0 += step) {
         const int m = static_cast<int>(std::min<int64_t>(step, ws.offsets[e + 1] - r0));
-        if (int8_h) {
+        if (int8_h && !ws.down_a16[e]) {
           point_rows(sc, ws, e, r0, m, ps.h_q.data(), slice);
           for (int i = 0; i < m; ++i) {
             const int64_t pr = r0 + i + padding_before(ws, e);

@@ -63,6 +63,8 @@ struct MethodKernels {
   // through the A16 kernel (bf16 inputs, no per-group epilogue); 0: never (the int8-input kernel is
   // faster at every size).
   int gate_up_a16_min_rows = 0;
+  // The same for the down projection of a method with an int8 h (its h then stays in bf16).
+  int down_a16_min_rows = 0;
 };
 
 struct KernelTable {
