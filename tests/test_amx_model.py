@@ -182,26 +182,30 @@ def test_reserved_bytes_fault():
         run("model", cfg, [])
 
 
+def modelled_counts(method, group: int, m: int, K: int, npanels: int) -> dict:
+    """The model's counters over one int8-input kernel call (rows with one scale per row and group
+    alike, zero weights)."""
+    if "amx-emu" not in SUPPORTED_ISAS:
+        pytest.skip("the modelled AMX kernels need AVX-512 with VNNI, BF16 and VBMI")
+    q = torch.randint(-127, 128, (m, K), dtype=torch.int8)
+    scales = torch.ones(m, K // group)
+    sums = torch.zeros(m, K // group)
+    packed = torch.zeros(_native.packed_bytes(method, group, 16 * npanels, K), dtype=torch.uint8)
+    c = torch.empty(m, 16 * npanels)
+    _native.amx_model_reset_counters()
+    _native.gemm("amx-emu", method, True, m, K, group, q.data_ptr(), scales.data_ptr(), sums.data_ptr(),
+                 packed.data_ptr(), npanels, c.data_ptr())  # fmt: skip
+    return _native.amx_model_counters()
+
+
 @pytest.mark.parametrize("group", [32, 64, 128])
 def test_counters_measure_a_kernels_structure(group):
     """The modelled AMX INT8 kernel on 64 rows x 4 panels x K 256: per K-step (64 K-values, 32 in groups
     of 32), per channel pair, per 32-row block, 2 A loads and 4 dot products; the pair's 2 B tiles
     load once per group for every row block when a group is one K-step, else per K-step and block;
     4 tile stores per group and block for the group's fp32 epilogue."""
-    if "amx-emu" not in SUPPORTED_ISAS:
-        pytest.skip("the modelled AMX kernels need AVX-512 with VNNI, BF16 and VBMI")
     m, K, npanels = 64, 256, 4
-    q = torch.randint(-127, 128, (m, K), dtype=torch.int8)
-    scales = torch.ones(m, K // group)
-    sums = torch.zeros(m, K // group)
-    packed = torch.zeros(
-        _native.packed_bytes(_native.Method.AMXINT8, group, 16 * npanels, K), dtype=torch.uint8
-    )
-    c = torch.empty(m, 16 * npanels)
-    _native.amx_model_reset_counters()
-    _native.gemm("amx-emu", _native.Method.AMXINT8, True, m, K, group, q.data_ptr(), scales.data_ptr(),
-                 sums.data_ptr(), packed.data_ptr(), npanels, c.data_ptr())  # fmt: skip
-    counts = _native.amx_model_counters()
+    counts = modelled_counts(_native.Method.AMXINT8, group, m, K, npanels)
     k_step = min(group, 64)
     steps, groups, blocks, pairs = K // k_step, K // group, m // 32, npanels // 2
     assert counts["dots"] == 4 * steps * blocks * pairs
@@ -216,20 +220,8 @@ def test_counters_measure_the_whole_k_int4_kernel(group):
     """The modelled AMX INT4 kernel for rows with one activation scale, 96 rows x 4 panels x K 512:
     per K-step of 64 values, channel pair and 32-row block, 2 A and 2 B loads and 4 dot products (one
     dot product per load, whatever the group), and 4 tile stores per block and pair over all of K."""
-    if "amx-emu" not in SUPPORTED_ISAS:
-        pytest.skip("the modelled AMX kernels need AVX-512 with VNNI, BF16 and VBMI")
     m, K, npanels = 96, 512, 4
-    q = torch.randint(-127, 128, (m, K), dtype=torch.int8)
-    scales = torch.ones(m, K // group)
-    sums = torch.zeros(m, K // group)
-    packed = torch.zeros(
-        _native.packed_bytes(_native.Method.AMXINT4, group, 16 * npanels, K), dtype=torch.uint8
-    )
-    c = torch.empty(m, 16 * npanels)
-    _native.amx_model_reset_counters()
-    _native.gemm("amx-emu", _native.Method.AMXINT4, True, m, K, group, q.data_ptr(), scales.data_ptr(),
-                 sums.data_ptr(), packed.data_ptr(), npanels, c.data_ptr())  # fmt: skip
-    counts = _native.amx_model_counters()
+    counts = modelled_counts(_native.Method.AMXINT4, group, m, K, npanels)
     steps, blocks, pairs = K // 64, m // 32, npanels // 2
     assert counts["dots"] == 4 * steps * blocks * pairs
     assert counts["loads"] == 4 * steps * blocks * pairs

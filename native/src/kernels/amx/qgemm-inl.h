@@ -49,6 +49,20 @@ inline void stage_group(const uint8_t* w, int group, int64_t gbytes, uint8_t* ou
   else                              \
     _tile_dpbsud(c, a, b)
 
+// The base of each block of 32 rows of `a` in the tiled layout (tiled_block), staged in `stage`
+// where the rows are not tiled already.
+inline void tile_row_blocks(const QuantRows& a, int m, int64_t K, AlignedVector<uint8_t>& stage,
+                            std::vector<const uint8_t*>& base) {
+  const int blocks = (m + kRowBlock - 1) / kRowBlock;
+  if (stage.size() < static_cast<size_t>(blocks * kRowBlock * K)) stage.resize(blocks * kRowBlock * K);
+  base.resize(blocks);
+  for (int b = 0; b < blocks; ++b) {
+    const int rows = std::min(kRowBlock, m - b * kRowBlock);
+    base[b] = tiled_block(reinterpret_cast<const uint8_t* const*>(a.rows + b * kRowBlock), a.chunk_stride,
+                          rows, K, stage.data() + b * kRowBlock * K);
+  }
+}
+
 // INT4 rows with one activation scale per row (MethodTraits::int8_scale_per_row), from this many
 // rows: a call requantizes its panels to int8 with one scale per channel, so that a block of rows
 // sums all of K in the tiles and scales once (gemm_int4_whole_k).
@@ -170,14 +184,8 @@ inline void gemm_int4_whole_k(int m, int64_t K, int group, const QuantRows& a, c
   auto& weights = scratch.weights;
   auto& dots = scratch.dots;
   auto& channel_scale = scratch.channel_scale;
-  if (stage.size() < static_cast<size_t>(blocks * kRowBlock * K)) stage.resize(blocks * kRowBlock * K);
   if (weights.size() < static_cast<size_t>(64 * K)) weights.resize(64 * K);
-  base.resize(blocks);
-  for (int b = 0; b < blocks; ++b) {
-    const int rows = std::min(kRowBlock, m - b * kRowBlock);
-    base[b] = tiled_block(reinterpret_cast<const uint8_t* const*>(a.rows + b * kRowBlock), a.chunk_stride,
-                          rows, K, stage.data() + b * kRowBlock * K);
-  }
+  tile_row_blocks(a, m, K, stage, base);
   Int4PanelStager next[2];
   auto start_pair = [&](int p) {  // into set (p / 2) % 2
     uint8_t* out = weights.data() + (p / 2 % 2) * 32 * K;
@@ -275,14 +283,8 @@ void gemm_quant(int m, int64_t K, int group, const QuantRows& a, const uint8_t* 
   auto& acc = scratch.acc;
   auto& dots = scratch.dots;
   auto& staged = scratch.staged;
-  if (stage.size() < static_cast<size_t>(blocks * kRowBlock * K)) stage.resize(blocks * kRowBlock * K);
   if (acc.size() < static_cast<size_t>(blocks * kRowBlock * 32)) acc.resize(blocks * kRowBlock * 32);
-  base.resize(blocks);
-  for (int b = 0; b < blocks; ++b) {
-    const int rows = std::min(kRowBlock, m - b * kRowBlock);
-    base[b] = tiled_block(reinterpret_cast<const uint8_t* const*>(a.rows + b * kRowBlock), a.chunk_stride,
-                          rows, K, stage.data() + b * kRowBlock * K);
-  }
+  tile_row_blocks(a, m, K, stage, base);
   // The epilogue of a block runs one AMX step later (software pipelining): vector loads of
   // freshly stored tiles wait for the stores to commit, so reading them at once serialized the two
   // units (the kernel ran at 16% of the tdpbsud rate; delayed, the stores have landed).
