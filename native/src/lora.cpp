@@ -28,6 +28,7 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -220,25 +221,27 @@ template <Method M>
 __attribute__((target("avx512f,avx512bw"))) void decode_tile_avx512(const uint8_t* g, int group, int kin,
                                                                     uint16_t* stage) {
   using namespace kernels;
+  using D = typename DecoderFor<M>::type;
   const uint8_t* block = g + group_weight_bytes(M, group);
   alignas(64) float scale[kPanelWidth], offset[kPanelWidth], table[16];
   for (int n = 0; n < kPanelWidth; ++n) {
-    scale[n] = GroupScales<M>::scale(block, n);
-    offset[n] = kNibbles<M> ? GroupScales<M>::offset(block, n) : 0.0f;
+    const auto [s, o] = D::template scales<scalar::Lanes>(block, n);
+    scale[n] = s;
+    offset[n] = kNibbles<D> ? o : 0.0f;
   }
-  for (int c = 0; c < 16; ++c) table[c] = static_cast<float>(weight_value<M>(static_cast<uint8_t>(c)));
+  for (int c = 0; c < 16; ++c) table[c] = static_cast<float>(weight_value<D>(static_cast<uint8_t>(c)));
   const __m512 vs = _mm512_load_ps(scale), vo = _mm512_load_ps(offset), vt = _mm512_load_ps(table);
-  const __m512i mask = _mm512_set1_epi32(kNibbles<M> ? 0x0f : 0xff);
+  const __m512i mask = _mm512_set1_epi32(kNibbles<D> ? 0x0f : 0xff);
   for (int q = 0; q < 4; ++q) {
     const int k = kin + 4 * q;  // packed row of K-values k..k + 3
     int row = k / 4, shift = 0;
-    if constexpr (kNibbles<M>)
+    if constexpr (kNibbles<D>)
       if (k >= group / 2) row -= group / 8, shift = 4;
     const __m512i v = _mm512_loadu_si512(g + row * 64);
     __m512i bits[4];
     for (int j = 0; j < 4; ++j) {
       const __m512i code = _mm512_and_si512(_mm512_srli_epi32(v, 8 * j + shift), mask);
-      const __m512 value = kNibbles<M> ? _mm512_permutexvar_ps(code, vt)
+      const __m512 value = kNibbles<D> ? _mm512_permutexvar_ps(code, vt)
                                        : _mm512_cvtepi32_ps(_mm512_sub_epi32(code, _mm512_set1_epi32(128)));
       const __m512i b = _mm512_castps_si512(_mm512_fmadd_ps(value, vs, vo));
       const __m512i round = _mm512_add_epi32(
@@ -256,19 +259,21 @@ template <Method M>
 __attribute__((target("avx2,fma"))) void decode_tile_avx2(const uint8_t* g, int group, int kin,
                                                           uint16_t* stage) {
   using namespace kernels;
+  using D = typename DecoderFor<M>::type;
   const uint8_t* block = g + group_weight_bytes(M, group);
   alignas(32) float scale[kPanelWidth], offset[kPanelWidth], table[16];
   for (int n = 0; n < kPanelWidth; ++n) {
-    scale[n] = GroupScales<M>::scale(block, n);
-    offset[n] = kNibbles<M> ? GroupScales<M>::offset(block, n) : 0.0f;
+    const auto [s, o] = D::template scales<scalar::Lanes>(block, n);
+    scale[n] = s;
+    offset[n] = kNibbles<D> ? o : 0.0f;
   }
-  for (int c = 0; c < 16; ++c) table[c] = static_cast<float>(weight_value<M>(static_cast<uint8_t>(c)));
+  for (int c = 0; c < 16; ++c) table[c] = static_cast<float>(weight_value<D>(static_cast<uint8_t>(c)));
   const __m256 t_lo = _mm256_load_ps(table), t_hi = _mm256_load_ps(table + 8);
-  const __m256i mask = _mm256_set1_epi32(kNibbles<M> ? 0x0f : 0xff), seven = _mm256_set1_epi32(7);
+  const __m256i mask = _mm256_set1_epi32(kNibbles<D> ? 0x0f : 0xff), seven = _mm256_set1_epi32(7);
   for (int q = 0; q < 4; ++q) {
     const int k = kin + 4 * q;  // packed row of K-values k..k + 3
     int row = k / 4, shift = 0;
-    if constexpr (kNibbles<M>)
+    if constexpr (kNibbles<D>)
       if (k >= group / 2) row -= group / 8, shift = 4;
     for (int h = 0; h < 2; ++h) {  // channels 8h..8h + 7
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + row * 64 + 32 * h));
@@ -277,7 +282,7 @@ __attribute__((target("avx2,fma"))) void decode_tile_avx2(const uint8_t* g, int 
       for (int j = 0; j < 4; ++j) {
         const __m256i code = _mm256_and_si256(_mm256_srli_epi32(v, 8 * j + shift), mask);
         __m256 value;
-        if constexpr (kNibbles<M>) {
+        if constexpr (kNibbles<D>) {
           value = _mm256_blendv_ps(_mm256_permutevar8x32_ps(t_lo, code), _mm256_permutevar8x32_ps(t_hi, code),
                                    _mm256_castsi256_ps(_mm256_cmpgt_epi32(code, seven)));
         } else {
@@ -319,7 +324,7 @@ void decode_transposed(const uint8_t* panels, int group, int64_t N, int64_t K, i
       const uint16_t* src = stage;
       if constexpr (M == Method::kBf16) {
         src = reinterpret_cast<const uint16_t*>(g) + (kin / 2) * 32;
-      } else if constexpr (kernels::kIntegerMethod<M>) {
+      } else if constexpr (!std::is_void_v<typename DecoderFor<M>::type>) {
         (isa >= Isa::kAvx512 ? decode_tile_avx512<M>
          : isa >= Isa::kAvx2 ? decode_tile_avx2<M>
                              : decode_tile_scalar<M>)(g, group, kin, stage);

@@ -91,20 +91,13 @@ const KernelTable& kernel_table(Isa isa);
 Isa selected_isa();
 
 namespace kernels {
-// The BF16, INT8 and INT4 kernels of each family (src/methods/<method>/<isa>.cpp); other methods
-// declare theirs in their own folder (src/methods/<method>/<method>.h).
-#define KT_DECLARE_KERNELS(ns)                                                                           \
-  namespace ns {                                                                                         \
-  void gemm_bf16(int m, int64_t K, int group, const Bf16Rows& a, const uint8_t* panels, int npanels,     \
-                 float* c, int64_t ldc);                                                                 \
-  void gemm_int8(int m, int64_t K, int group, const QuantRows& a, const uint8_t* panels, int npanels,    \
-                 float* c, int64_t ldc);                                                                 \
-  void gemm_int4(int m, int64_t K, int group, const QuantRows& a, const uint8_t* panels, int npanels,    \
-                 float* c, int64_t ldc);                                                                 \
-  void gemm_int8_a16(int m, int64_t K, int group, const Bf16Rows& a, const uint8_t* panels, int npanels, \
-                     float* c, int64_t ldc);                                                             \
-  void gemm_int4_a16(int m, int64_t K, int group, const Bf16Rows& a, const uint8_t* panels, int npanels, \
-                     float* c, int64_t ldc);                                                             \
+// The BF16 kernels of each family (src/methods/bf16/<isa>.cpp); FP8 declares its own in its folder
+// (src/methods/fp8/fp8.h), the decoded methods' are templates over their decoders
+// (src/methods/decoders.h).
+#define KT_DECLARE_KERNELS(ns)                                                                       \
+  namespace ns {                                                                                     \
+  void gemm_bf16(int m, int64_t K, int group, const Bf16Rows& a, const uint8_t* panels, int npanels, \
+                 float* c, int64_t ldc);                                                             \
   }
 KT_DECLARE_KERNELS(scalar)
 KT_DECLARE_KERNELS(avx2)

@@ -4,9 +4,11 @@
 
 #include <cstdint>
 
+#include "../methods/decoders.h"
 #include "../methods/fp8/fp8.h"
 #include "epilogue.h"
 #include "kt/float_types.h"
+#include "scalar/lanes.h"
 
 namespace kt::kernels {
 
@@ -19,10 +21,10 @@ inline float packed_value(const uint8_t* g, int group, int n, int k) {
     const float scale = reinterpret_cast<const float*>(g + group_weight_bytes(M, group))[n];
     return scale * e4m3_to_float(g[fp8::packed_offset(k / 2, n, k % 2)]);
   } else {
-    const uint8_t* block = g + group_weight_bytes(M, group);
-    const float q = static_cast<float>(weight_value<M>(packed_weight<M>(g, group, n, k)));
-    const float offset = kNibbles<M> ? GroupScales<M>::offset(block, n) : 0.0f;
-    return GroupScales<M>::scale(block, n) * q + offset;
+    using D = typename DecoderFor<M>::type;
+    const auto [scale, offset] = D::template scales<scalar::Lanes>(g + group_weight_bytes(M, group), n);
+    const float q = static_cast<float>(weight_value<D>(packed_weight<D>(g, group, n, k)));
+    return scale * q + (kNibbles<D> ? offset : 0.0f);
   }
 }
 

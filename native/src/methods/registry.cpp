@@ -6,10 +6,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "decoders.h"
 #include "fp8/fp8.h"
-#include "int4_checkpoint/int4_checkpoint.h"
-#include "mxfp4/mxfp4.h"
-#include "nvfp4/nvfp4.h"
 
 namespace kt {
 
@@ -48,34 +46,38 @@ constexpr KernelRow kKernels[] = {
     {Method::kBf16, Isa::kAvx512, has_avx512_bf16, nullptr, k::avx512::gemm_bf16},
     {Method::kBf16, Isa::kAmx, always, nullptr, k::amx::gemm_bf16},
     {Method::kBf16, Isa::kAmxEmu, always, nullptr, k::amx_emu::gemm_bf16},
-    {Method::kInt8, Isa::kScalar, always, k::scalar::gemm_int8, k::scalar::gemm_int8_a16},
-    {Method::kInt8, Isa::kAvx2, always, k::avx2::gemm_int8, k::avx2::gemm_int8_a16},
-    {Method::kInt8, Isa::kAvx512, has_avx512_vnni, k::avx512::gemm_int8, k::avx512::gemm_int8_a16},
-    {Method::kInt8, Isa::kAmx, always, k::amx::gemm_int8, k::amx::gemm_int8_a16},
-    {Method::kInt8, Isa::kAmxEmu, always, k::amx_emu::gemm_int8, k::amx_emu::gemm_int8_a16},
-    {Method::kInt4, Isa::kScalar, always, k::scalar::gemm_int4, k::scalar::gemm_int4_a16},
-    {Method::kInt4, Isa::kAvx2, always, k::avx2::gemm_int4, k::avx2::gemm_int4_a16},
-    {Method::kInt4, Isa::kAvx512, has_avx512_vnni, k::avx512::gemm_int4, k::avx512::gemm_int4_a16},
-    {Method::kInt4, Isa::kAmx, always, k::amx::gemm_int4, k::amx::gemm_int4_a16},
-    {Method::kInt4, Isa::kAmxEmu, always, k::amx_emu::gemm_int4, k::amx_emu::gemm_int4_a16},
+    {Method::kInt8, Isa::kScalar, always, k::scalar::gemm_q8<Int8Decoder>, k::scalar::gemm_a16<Int8Decoder>},
+    {Method::kInt8, Isa::kAvx2, always, k::avx2::gemm_q8<Int8Decoder>, k::avx2::gemm_a16<Int8Decoder>},
+    {Method::kInt8, Isa::kAvx512, has_avx512_vnni, k::avx512::gemm_q8<Int8Decoder>,
+     k::avx512::gemm_a16<Int8Decoder>},
+    {Method::kInt8, Isa::kAmx, always, k::amx::gemm_q8<Int8Decoder>, k::amx::gemm_a16<Int8Decoder>},
+    {Method::kInt8, Isa::kAmxEmu, always, k::amx_emu::gemm_q8<Int8Decoder>,
+     k::amx_emu::gemm_a16<Int8Decoder>},
+    {Method::kInt4, Isa::kScalar, always, k::scalar::gemm_q8<Int4Decoder>, k::scalar::gemm_a16<Int4Decoder>},
+    {Method::kInt4, Isa::kAvx2, always, k::avx2::gemm_q8<Int4Decoder>, k::avx2::gemm_a16<Int4Decoder>},
+    {Method::kInt4, Isa::kAvx512, has_avx512_vnni, k::avx512::gemm_q8<Int4Decoder>,
+     k::avx512::gemm_a16<Int4Decoder>},
+    {Method::kInt4, Isa::kAmx, always, k::amx::gemm_q8<Int4Decoder>, k::amx::gemm_a16<Int4Decoder>},
+    {Method::kInt4, Isa::kAmxEmu, always, k::amx_emu::gemm_q8<Int4Decoder>,
+     k::amx_emu::gemm_a16<Int4Decoder>},
     {Method::kFp8, Isa::kScalar, always, nullptr, k::scalar::gemm_fp8},
     {Method::kFp8, Isa::kAvx2, always, nullptr, k::avx2::gemm_fp8},
     {Method::kFp8, Isa::kAvx512, has_avx512_bf16_vbmi, nullptr, k::avx512::gemm_fp8},
     {Method::kFp8PerChannel, Isa::kScalar, always, nullptr, k::scalar::gemm_fp8},
     {Method::kFp8PerChannel, Isa::kAvx2, always, nullptr, k::avx2::gemm_fp8},
     {Method::kFp8PerChannel, Isa::kAvx512, has_avx512_bf16_vbmi, nullptr, k::avx512::gemm_fp8},
-    {Method::kRawInt4, Isa::kScalar, always, nullptr, k::scalar::gemm_rawint4},
-    {Method::kRawInt4, Isa::kAvx2, always, nullptr, k::avx2::gemm_rawint4},
-    {Method::kRawInt4, Isa::kAvx512, has_avx512_vnni, nullptr, k::avx512::gemm_rawint4},
-    {Method::kGptqInt4, Isa::kScalar, always, nullptr, k::scalar::gemm_gptq},
-    {Method::kGptqInt4, Isa::kAvx2, always, nullptr, k::avx2::gemm_gptq},
-    {Method::kGptqInt4, Isa::kAvx512, has_avx512_vnni, nullptr, k::avx512::gemm_gptq},
-    {Method::kMxfp4, Isa::kScalar, always, nullptr, k::scalar::gemm_mxfp4},
-    {Method::kMxfp4, Isa::kAvx2, always, nullptr, k::avx2::gemm_mxfp4},
-    {Method::kMxfp4, Isa::kAvx512, has_avx512_vnni, nullptr, k::avx512::gemm_mxfp4},
-    {Method::kNvfp4, Isa::kScalar, always, nullptr, k::scalar::gemm_nvfp4},
-    {Method::kNvfp4, Isa::kAvx2, always, nullptr, k::avx2::gemm_nvfp4},
-    {Method::kNvfp4, Isa::kAvx512, has_avx512_vnni, nullptr, k::avx512::gemm_nvfp4},
+    {Method::kRawInt4, Isa::kScalar, always, nullptr, k::scalar::gemm_a16<RawInt4Decoder>},
+    {Method::kRawInt4, Isa::kAvx2, always, nullptr, k::avx2::gemm_a16<RawInt4Decoder>},
+    {Method::kRawInt4, Isa::kAvx512, has_avx512_vnni, nullptr, k::avx512::gemm_a16<RawInt4Decoder>},
+    {Method::kGptqInt4, Isa::kScalar, always, nullptr, k::scalar::gemm_a16<GptqInt4Decoder>},
+    {Method::kGptqInt4, Isa::kAvx2, always, nullptr, k::avx2::gemm_a16<GptqInt4Decoder>},
+    {Method::kGptqInt4, Isa::kAvx512, has_avx512_vnni, nullptr, k::avx512::gemm_a16<GptqInt4Decoder>},
+    {Method::kMxfp4, Isa::kScalar, always, nullptr, k::scalar::gemm_a16<Mxfp4Decoder>},
+    {Method::kMxfp4, Isa::kAvx2, always, nullptr, k::avx2::gemm_a16<Mxfp4Decoder>},
+    {Method::kMxfp4, Isa::kAvx512, has_avx512_vnni, nullptr, k::avx512::gemm_a16<Mxfp4Decoder>},
+    {Method::kNvfp4, Isa::kScalar, always, nullptr, k::scalar::gemm_a16<Nvfp4Decoder>},
+    {Method::kNvfp4, Isa::kAvx2, always, nullptr, k::avx2::gemm_a16<Nvfp4Decoder>},
+    {Method::kNvfp4, Isa::kAvx512, has_avx512_vnni, nullptr, k::avx512::gemm_a16<Nvfp4Decoder>},
 };
 
 std::string upper(std::string_view s) {

@@ -12,8 +12,10 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <tuple>
 #include <vector>
 
+#include "../avx512/lanes.h"
 #include "../epilogue.h"
 #include "tile_config.h"
 
@@ -22,11 +24,11 @@ namespace kt::kernels::KT_AMX_NAMESPACE {
 // B tile rows (group / 4 rows of 64 bytes) of one packed panel group, in L1: INT4 unpacked from
 // nibbles, INT8 made signed. Tile loads straight from DRAM stalled AMX (INT8 ran at half INT4's speed);
 // vector loads stream with the hardware prefetcher, helped by a prefetch of the group ahead.
-template <Method M>
+template <class D>
 inline void stage_group(const uint8_t* w, int group, int64_t gbytes, uint8_t* out) {
   for (int64_t off = 0; off < gbytes; off += 64)
     _mm_prefetch(reinterpret_cast<const char*>(w + 2 * gbytes + off), _MM_HINT_T0);
-  if constexpr (M == Method::kInt8) {
+  if constexpr (!kNibbles<D>) {
     const __m512i sign = _mm512_set1_epi8(static_cast<char>(0x80));
     for (int r = 0; r < group / 4; ++r)
       _mm512_store_si512(out + r * 64, _mm512_xor_si512(_mm512_loadu_si512(w + r * 64), sign));
@@ -43,10 +45,10 @@ inline void stage_group(const uint8_t* w, int group, int64_t gbytes, uint8_t* ou
 
 // C tile += A tile x B tile: s8 x s8 for INT8, s8 x u8 for INT4. A macro: GCC's tile intrinsics
 // paste their tile numbers into the assembly text, so they must be literals.
-#define KT_TILE_DOT(M, c, a, b)     \
-  if constexpr (M == Method::kInt8) \
-    _tile_dpbssd(c, a, b);          \
-  else                              \
+#define KT_TILE_DOT(D, c, a, b) \
+  if constexpr (!kNibbles<D>)   \
+    _tile_dpbssd(c, a, b);      \
+  else                          \
     _tile_dpbsud(c, a, b)
 
 // The base of each block of 32 rows of `a` in the tiled layout (tiled_block), staged in `stage`
@@ -80,7 +82,10 @@ inline bool one_scale_per_row(const QuantRows& a, int m, int64_t groups) {
 // fixed point (8 fraction bits; A = scale * f and B = min * f + 1/2 rounded per group, f = 127 * 256 /
 // max|w|). channel_scale[c] = max|w| / 127, the bound of the channel's w over its groups. The work goes
 // a few packed rows at a time (`stage`), so that a kernel can spread it over its tile instructions.
+template <class D>
 class Int4PanelStager {
+  static_assert(D::kCodes == Codes::kIntNibbles);
+
  public:
   Int4PanelStager() = default;
   Int4PanelStager(const uint8_t* panel, int64_t K, int group, uint8_t* out, float* channel_scale)
@@ -89,8 +94,8 @@ class Int4PanelStager {
         group_(group),
         half_(group / 8),
         groups_(K / group),
-        gbytes_(group_bytes(Method::kInt4, group)),
-        wbytes_(group_weight_bytes(Method::kInt4, group)) {
+        gbytes_(group_bytes(D::kMethod, group)),
+        wbytes_(group_weight_bytes(D::kMethod, group)) {
     __m512 peak = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups_; ++g) {
       __m512 ws, wm;
@@ -121,9 +126,7 @@ class Int4PanelStager {
 
  private:
   void scales_of(int64_t g, __m512& ws, __m512& wm) const {
-    const uint8_t* s = panel_ + g * gbytes_ + wbytes_;
-    ws = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
-    wm = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 32)));
+    std::tie(ws, wm) = D::template scales<avx512::Lanes>(panel_ + g * gbytes_ + wbytes_, 0);
   }
 
   void start_group() {
@@ -165,11 +168,12 @@ class Int4PanelStager {
 // scale * channel scale). The group epilogue of gemm_quant, 4 vector operations per 16 sums per
 // group, is what bounds that kernel. The next pair is requantized a few rows per K-step, between the
 // tile instructions of this one (two sets of staged weights).
-inline void gemm_int4_whole_k(int m, int64_t K, int group, const QuantRows& a, const uint8_t* panels,
-                              int npanels, float* c, int64_t ldc) {
+template <class D>
+void gemm_int4_whole_k(int m, int64_t K, int group, const QuantRows& a, const uint8_t* panels, int npanels,
+                       float* c, int64_t ldc) {
   configure_tiles(64);
   const int blocks = (m + kRowBlock - 1) / kRowBlock;
-  const int64_t pbytes = panel_bytes(Method::kInt4, group, K);
+  const int64_t pbytes = panel_bytes(D::kMethod, group, K);
   const int64_t ksteps = K / 64;
   struct Scratch {
     AlignedVector<uint8_t> stage;      // rows that are not tiled yet
@@ -186,13 +190,13 @@ inline void gemm_int4_whole_k(int m, int64_t K, int group, const QuantRows& a, c
   auto& channel_scale = scratch.channel_scale;
   if (weights.size() < static_cast<size_t>(64 * K)) weights.resize(64 * K);
   tile_row_blocks(a, m, K, stage, base);
-  Int4PanelStager next[2];
+  Int4PanelStager<D> next[2];
   auto start_pair = [&](int p) {  // into set (p / 2) % 2
     uint8_t* out = weights.data() + (p / 2 % 2) * 32 * K;
     for (int h = 0; h < 2; ++h)
-      next[h] = p + h < npanels ? Int4PanelStager(panels + (p + h) * pbytes, K, group, out + h * 16 * K,
-                                                  channel_scale[p / 2 % 2] + 16 * h)
-                                : Int4PanelStager();
+      next[h] = p + h < npanels ? Int4PanelStager<D>(panels + (p + h) * pbytes, K, group, out + h * 16 * K,
+                                                     channel_scale[p / 2 % 2] + 16 * h)
+                                : Int4PanelStager<D>();
   };
   auto stage_next = [&](int64_t n) {
     const int64_t first = std::min(n, next[0].rows_left());
@@ -253,21 +257,20 @@ inline void gemm_int4_whole_k(int m, int64_t K, int group, const QuantRows& a, c
   }
 }
 
-template <Method M>
+template <class D>
 void gemm_quant(int m, int64_t K, int group, const QuantRows& a, const uint8_t* panels, int npanels, float* c,
                 int64_t ldc, GemmQ8Fn small) {
-  static_assert(kIntegerMethod<M>, "the integer GEMM decodes AMXINT8 and AMXINT4 weights only");
   if (m <= 4 || group % 32 != 0) return small(m, K, group, a, panels, npanels, c, ldc);
-  if constexpr (M == Method::kInt4)
+  if constexpr (method_traits(D::kMethod).gate_up_input_per_row)
     if (m >= kWholeKMinRows && one_scale_per_row(a, m, K / group))
-      return gemm_int4_whole_k(m, K, group, a, panels, npanels, c, ldc);
+      return gemm_int4_whole_k<D>(m, K, group, a, panels, npanels, c, ldc);
   const int k_bytes = std::min(group, 64);  // K-values per dot product
   configure_tiles(k_bytes);
   const int64_t groups = K / group;
   const int ktiles = group / k_bytes;
   const int blocks = (m + kRowBlock - 1) / kRowBlock;
-  const int64_t pbytes = panel_bytes(M, group, K);
-  const int64_t gbytes = group_bytes(M, group), wbytes = group_weight_bytes(M, group);
+  const int64_t pbytes = panel_bytes(D::kMethod, group, K);
+  const int64_t gbytes = group_bytes(D::kMethod, group), wbytes = group_weight_bytes(D::kMethod, group);
   struct Scratch {
     AlignedVector<uint8_t> stage;      // rows that are not tiled yet
     std::vector<const uint8_t*> base;  // per row block
@@ -306,7 +309,7 @@ void gemm_quant(int m, int64_t K, int group, const QuantRows& a, const uint8_t* 
         const __m512 dv = _mm512_cvtepi32_ps(_mm512_load_si512(&d[i][16 * h]));
         __m512 s = _mm512_loadu_ps(sums + i * 32 + 16 * h);
         s = _mm512_fmadd_ps(_mm512_mul_ps(dv, pend.ws[h]), sa, s);
-        if constexpr (M == Method::kInt4)
+        if constexpr (kNibbles<D>)
           s = _mm512_fmadd_ps(pend.wm[h], _mm512_set1_ps(a.scaled_sum[r][pend.group]), s);
         _mm512_storeu_ps(sums + i * 32 + 16 * h, s);
       }
@@ -322,15 +325,12 @@ void gemm_quant(int m, int64_t K, int group, const QuantRows& a, const uint8_t* 
     for (int64_t gi = 0; gi < groups; ++gi) {
       const uint8_t* g0 = w0 + gi * gbytes;
       const uint8_t* g1 = w1 + gi * gbytes;
-      stage_group<M>(g0, group, gbytes, staged[0]);
-      stage_group<M>(g1, group, gbytes, staged[1]);
+      stage_group<D>(g0, group, gbytes, staged[0]);
+      stage_group<D>(g1, group, gbytes, staged[1]);
       Pending now;
       now.group = gi;
       for (int h = 0; h < 2; ++h) {
-        const uint8_t* s = (h == 0 ? g0 : g1) + wbytes;
-        now.ws[h] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
-        if constexpr (M == Method::kInt4)
-          now.wm[h] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 32)));
+        std::tie(now.ws[h], now.wm[h]) = D::template scales<avx512::Lanes>((h == 0 ? g0 : g1) + wbytes, 0);
       }
       if (ktiles == 1) {  // the group's B tiles stay loaded for every row block
         _tile_loadd(6, staged[0], 64);
@@ -352,12 +352,12 @@ void gemm_quant(int m, int64_t K, int group, const QuantRows& a, const uint8_t* 
             _tile_loadd(7, staged[1] + t * 1024, 64);
           }
           _tile_loadd(4, chunk, 64);
-          KT_TILE_DOT(M, 0, 4, 6);
-          KT_TILE_DOT(M, 1, 4, 7);
+          KT_TILE_DOT(D, 0, 4, 6);
+          KT_TILE_DOT(D, 1, 4, 7);
           if (lower) {
             _tile_loadd(5, chunk + 16 * 64, 64);
-            KT_TILE_DOT(M, 2, 5, 6);
-            KT_TILE_DOT(M, 3, 5, 7);
+            KT_TILE_DOT(D, 2, 5, 6);
+            KT_TILE_DOT(D, 3, 5, 7);
           }
         }
         _tile_stored(0, &d[0][0], 128);

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "../avx512/lanes.h"
 #include "../epilogue.h"
 #include "kt/aligned_vector.h"
 #include "tile_config.h"
@@ -44,22 +45,18 @@ struct DequantPermutes {
 };
 
 // One packed INT8/INT4 panel over K -> the BF16 panel layout (K / 2 rows of 64 bytes).
-template <Method M>
+template <class D>
 void dequantize_panel(const uint8_t* panel, int64_t K, int group, uint8_t* out) {
   static const DequantPermutes perm;
   constexpr __mmask64 kTopBytes = 0x8888888888888888ull;
-  const int64_t gbytes = group_bytes(M, group), wbytes = group_weight_bytes(M, group);
+  const int64_t gbytes = group_bytes(D::kMethod, group), wbytes = group_weight_bytes(D::kMethod, group);
   for (int64_t gi = 0; gi < K / group; ++gi) {
     const uint8_t* w = panel + gi * gbytes;
     // The packed weights come from DRAM: fetch two groups ahead, as the int8 kernel's staging does.
     for (int64_t off = 0; off < gbytes; off += 64)
       _mm_prefetch(reinterpret_cast<const char*>(w + 2 * gbytes + off), _MM_HINT_T0);
-    const __m512 ws = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + wbytes)));
     // INT8 stores u = q + 128: w = ws * u - 128 * ws (exact offset, one rounding as with q).
-    const __m512 wm =
-        M == Method::kInt4
-            ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + wbytes + 32)))
-            : _mm512_mul_ps(ws, _mm512_set1_ps(-128.0f));
+    const auto [ws, wm] = D::template scales<avx512::Lanes>(w + wbytes, 0);
     const __m512 ws24 = _mm512_mul_ps(ws, _mm512_set1_ps(0x1p-24f));
     __m512 scale[2], offset[2];
     for (int hi = 0; hi < 2; ++hi) {
@@ -75,7 +72,7 @@ void dequantize_panel(const uint8_t* panel, int64_t K, int group, uint8_t* out) 
       }
     };
     uint8_t* dst = out + gi * group / 2 * 64;
-    if constexpr (M == Method::kInt8) {
+    if constexpr (!kNibbles<D>) {
       for (int r = 0; r < group / 4; ++r) {
         const __m512i v = _mm512_loadu_si512(w + r * 64);
         __m512i p[2][2];
@@ -112,12 +109,11 @@ void dequantize_panel(const uint8_t* panel, int64_t K, int group, uint8_t* out) 
 // INT8 kernel ran at 0.30 TOPS on one Emerald Rapids core, the BF16 kernel at 1.08.
 inline constexpr int64_t kDequantRunBytes = 1 << 20;
 
-template <Method M>
+template <class D>
 void gemm_quant_a16(int m, int64_t K, int group, const Bf16Rows& a, const uint8_t* panels, int npanels,
                     float* c, int64_t ldc, GemmA16Fn small) {
-  static_assert(kIntegerMethod<M>, "the integer GEMM decodes AMXINT8 and AMXINT4 weights only");
   if (m <= 4) return small(m, K, group, a, panels, npanels, c, ldc);
-  const int64_t pbytes = panel_bytes(M, group, K);
+  const int64_t pbytes = panel_bytes(D::kMethod, group, K);
   const int64_t bf16_panel_bytes = panel_bytes(Method::kBf16, kKAlign, K);
   const int run =
       static_cast<int>(std::clamp<int64_t>(kDequantRunBytes / bf16_panel_bytes / 2 * 2, 2, npanels));
@@ -130,7 +126,7 @@ void gemm_quant_a16(int m, int64_t K, int group, const Bf16Rows& a, const uint8_
   for (int p0 = 0; p0 < npanels; p0 += run) {
     const int n = std::min(run, npanels - p0);
     for (int p = 0; p < n; ++p)
-      dequantize_panel<M>(panels + (p0 + p) * pbytes, K, group, dequantized.data() + p * bf16_panel_bytes);
+      dequantize_panel<D>(panels + (p0 + p) * pbytes, K, group, dequantized.data() + p * bf16_panel_bytes);
     gemm_bf16(m, K, kKAlign, a, dequantized.data(), n, c + p0 * kPanelWidth, ldc);
   }
 }

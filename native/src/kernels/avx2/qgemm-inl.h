@@ -18,6 +18,7 @@
 #include "../activations.h"
 #include "../epilogue.h"
 #include "../tiles.h"
+#include "lanes.h"
 
 namespace kt::kernels::avx2 {
 
@@ -25,47 +26,10 @@ namespace kt::kernels::avx2 {
 // the 16 registers (Zen 4, Qwen3 at 512 tokens: 3 rows x0.97-0.99, 5 rows x0.97-1.00).
 inline constexpr int kTileRows = 4;
 
-// 8 e4m3 bytes as fp32, exactly (as ../avx512/qgemm-inl.h's e4m3_to_ps).
-inline __m256 e4m3_to_ps(__m128i bytes) {
-  const __m256i b = _mm256_cvtepu8_epi32(bytes);
-  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 24);
-  const __m256i mag = _mm256_and_si256(b, _mm256_set1_epi32(0x7f));
-  const __m256 normal =
-      _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(mag, 20), _mm256_set1_epi32(120 << 23)));
-  const __m256 subnormal = _mm256_mul_ps(_mm256_cvtepi32_ps(mag), _mm256_set1_ps(0x1p-9f));
-  const __m256 is_subnormal = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(8), mag));
-  const __m256 v = _mm256_blendv_ps(normal, subnormal, is_subnormal);
-  return _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(v), sign));
-}
-
-// Half h (channels 8h..8h+7) of one group's scale ws and offset wm (../epilogue.h).
-template <Method M>
-inline std::pair<__m256, __m256> group_scales(const uint8_t* block, int h) {
-  auto load8 = [&](int offset) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + offset)); };
-  if constexpr (M == Method::kNvfp4) {  // e4m3 bytes times the matrix's scale, halved (2 x e2m1)
-    const __m128i codes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 8 * h));
-    return {_mm256_mul_ps(e4m3_to_ps(codes), _mm256_set1_ps(0.5f * nvfp4_global(block))),
-            _mm256_setzero_ps()};
-  } else if constexpr (M == Method::kMxfp4) {  // e8m0 bytes: 2^(e - 127), halved as the weights are 2 x e2m1
-    const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 8 * h)));
-    return {_mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(e, 23)), _mm256_set1_ps(0.5f)),
-            _mm256_setzero_ps()};
-  } else if constexpr (M == Method::kRawInt4) {  // bf16 scales, symmetric around weight_zero
-    const __m256 ws = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(load8(16 * h)), 16));
-    return {ws, _mm256_mul_ps(ws, _mm256_set1_ps(-float{method_traits(M).weight_zero}))};
-  } else {
-    const __m256 ws = _mm256_cvtph_ps(load8(16 * h));
-    if constexpr (M == Method::kInt8) return {ws, _mm256_mul_ps(ws, _mm256_set1_ps(-128.0f))};
-    const __m256 second = _mm256_cvtph_ps(load8(32 + 16 * h));
-    if constexpr (M == Method::kGptqInt4) return {ws, _mm256_mul_ps(ws, second)};  // second = -zero
-    return {ws, second};
-  }
-}
-
-template <Method M, int kGroup, int kRows>
+template <class D, int kGroup, int kRows>
 inline void gemm_quant_tile(int64_t K, const QuantRows& a, int i0, const uint8_t* panel, float* c,
                             int64_t ldc) {
-  constexpr int64_t gbytes = group_bytes(M, kGroup), wbytes = group_weight_bytes(M, kGroup);
+  constexpr int64_t gbytes = group_bytes(D::kMethod, kGroup), wbytes = group_weight_bytes(D::kMethod, kGroup);
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t gi = 0; gi < K / kGroup; ++gi) {
     const int64_t k0 = gi * kGroup;
@@ -79,7 +43,7 @@ inline void gemm_quant_tile(int64_t K, const QuantRows& a, int i0, const uint8_t
     auto load = [&](int64_t offset) __attribute__((always_inline)) {
       return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + offset));
     };
-    if constexpr (!kNibbles<M>) {
+    if constexpr (!kNibbles<D>) {
       const __m256i bias = _mm256_set1_epi8(static_cast<char>(0x80));
       for (int ch = 0; ch < kGroup; ch += kChunkBytes) {  // a group of 128 spans two 64-byte chunks
         const int32_t* x[kRows];
@@ -114,11 +78,11 @@ inline void gemm_quant_tile(int64_t K, const QuantRows& a, int i0, const uint8_t
         }
     }
     for (int h = 0; h < 2; ++h) {
-      const auto [ws, wm] = group_scales<M>(w + wbytes, h);
+      const auto [ws, wm] = D::template scales<Lanes>(w + wbytes, 8 * h);
       for (int i = 0; i < kRows; ++i) {
         float* out = c + (i0 + i) * ldc + 8 * h;
         __m256 sum = gi == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(out);
-        if constexpr (kNibbles<M>)  // INT8's dot product is over q itself: no offset term
+        if constexpr (kNibbles<D>)  // INT8's dot product is over q itself: no offset term
           sum = _mm256_fmadd_ps(wm, _mm256_set1_ps(a.scaled_sum[i0 + i][gi]), sum);
         _mm256_storeu_ps(out, _mm256_fmadd_ps(_mm256_cvtepi32_ps(d[i][h]),
                                               _mm256_mul_ps(ws, _mm256_set1_ps(a.scale[i0 + i][gi])), sum));
@@ -127,15 +91,14 @@ inline void gemm_quant_tile(int64_t K, const QuantRows& a, int i0, const uint8_t
   }
 }
 
-template <Method M>
+template <class D>
 void gemm_quant(int m, int64_t K, int group, const QuantRows& a, const uint8_t* panels, int npanels, float* c,
                 int64_t ldc) {
-  static_assert(kIntegerMethod<M>, "the integer GEMM decodes the integer methods' weights only");
-  static_assert(!kLookupNibbles<M>, "looked-up nibbles have no int8-input kernel");
-  const int64_t stride = panel_bytes(M, group, K);
+  static_assert(!kLookupNibbles<D>, "looked-up nibbles have no int8-input kernel");
+  const int64_t stride = panel_bytes(D::kMethod, group, K);
   with_group(group, [&](auto group_size) {
     for_each_tile<kTileRows, 1>(m, npanels, [&](auto rows, auto, int i0, int p) {
-      gemm_quant_tile<M, decltype(group_size)::value, decltype(rows)::value>(K, a, i0, panels + p * stride,
+      gemm_quant_tile<D, decltype(group_size)::value, decltype(rows)::value>(K, a, i0, panels + p * stride,
                                                                              c + p * kPanelWidth, ldc);
     });
   });

@@ -56,10 +56,10 @@ inline void quantize_int16_rows(Int16Rows& rows, const Bf16Rows& a, int m, int64
     }
 }
 
-template <Method M, int kGroup, int kRows>
+template <class D, int kGroup, int kRows>
 inline void gemm_a16_tile(int64_t K, const Int16Rows& a, int i0, const uint8_t* panel, float* c,
                           int64_t ldc) {
-  constexpr int64_t gbytes = group_bytes(M, kGroup), wbytes = group_weight_bytes(M, kGroup);
+  constexpr int64_t gbytes = group_bytes(D::kMethod, kGroup), wbytes = group_weight_bytes(D::kMethod, kGroup);
   const int64_t groups = K / kGroup;
   const __m256i low_byte = _mm256_set1_epi16(0x00ff), nibble = _mm256_set1_epi16(0x000f);
   // Looked-up nibbles: a byte shuffle puts each 16-bit lane's value in its low byte (the high byte
@@ -67,7 +67,7 @@ inline void gemm_a16_tile(int64_t K, const Int16Rows& a, int i0, const uint8_t* 
   const __m256i table =
       _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kE2m1Twice)));
   auto decode = [&](__m256i codes) __attribute__((always_inline)) {
-    if constexpr (kLookupNibbles<M>)
+    if constexpr (kLookupNibbles<D>)
       return _mm256_srai_epi16(_mm256_slli_epi16(_mm256_shuffle_epi8(table, codes), 8), 8);
     return codes;
   };
@@ -84,7 +84,7 @@ inline void gemm_a16_tile(int64_t K, const Int16Rows& a, int i0, const uint8_t* 
             d[i][h], _mm256_madd_epi16(wv, _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(x[i] + k))));
     };
     for (int h = 0; h < 2; ++h) {
-      if constexpr (!kNibbles<M>) {
+      if constexpr (!kNibbles<D>) {
         for (int r = 0; r < kGroup / 4; ++r) {
           const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * 64 + 32 * h));
           dot(h, _mm256_and_si256(v, low_byte), 4 * r);  // bytes 0, 2
@@ -103,7 +103,7 @@ inline void gemm_a16_tile(int64_t K, const Int16Rows& a, int i0, const uint8_t* 
       }
     }
     for (int h = 0; h < 2; ++h) {
-      const auto [ws, wm] = group_scales<M>(w + wbytes, h);
+      const auto [ws, wm] = D::template scales<Lanes>(w + wbytes, 8 * h);
       for (int i = 0; i < kRows; ++i) {
         const int64_t s = (i0 + i) * groups + gi;
         float* out = c + (i0 + i) * ldc + 8 * h;
@@ -116,16 +116,15 @@ inline void gemm_a16_tile(int64_t K, const Int16Rows& a, int i0, const uint8_t* 
   }
 }
 
-template <Method M>
+template <class D>
 void gemm_quant_a16(int m, int64_t K, int group, const Bf16Rows& a, const uint8_t* panels, int npanels,
                     float* c, int64_t ldc) {
-  static_assert(kIntegerMethod<M>, "the integer GEMM decodes the integer methods' weights only");
   thread_local Int16Rows rows;
   quantize_int16_rows(rows, a, m, K, group);
-  const int64_t stride = panel_bytes(M, group, K);
+  const int64_t stride = panel_bytes(D::kMethod, group, K);
   with_group(group, [&](auto group_size) {
     for_each_tile<kTileRows, 1>(m, npanels, [&](auto tile_rows, auto, int i0, int p) {
-      gemm_a16_tile<M, decltype(group_size)::value, decltype(tile_rows)::value>(
+      gemm_a16_tile<D, decltype(group_size)::value, decltype(tile_rows)::value>(
           K, rows, i0, panels + p * stride, c + p * kPanelWidth, ldc);
     });
   });

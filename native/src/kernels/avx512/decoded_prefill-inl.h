@@ -27,19 +27,19 @@ namespace kt::kernels::avx512 {
 inline constexpr int kDecodedMinRows = 17;
 
 // The value of each nibble code: e2m1 for the FP4 methods, the integer itself for the others.
-template <Method M>
+template <class D>
 inline __m512 code_values() {
   alignas(64) static constexpr float kE2m1[16] = {0,     0.5f,  1,  1.5f,  2,  3,  4,  6,
                                                   -0.0f, -0.5f, -1, -1.5f, -2, -3, -4, -6};
   alignas(64) static constexpr float kInt[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  return _mm512_load_ps(kLookupNibbles<M> ? kE2m1 : kInt);
+  return _mm512_load_ps(kLookupNibbles<D> ? kE2m1 : kInt);
 }
 
 // One group of a panel's codes -> BF16 packed rows (16 channels x 2 K-values per 64 bytes) at `out`,
 // each value table[code] * mul + add per channel, exact in bf16.
-template <Method M, int kGroup>
+template <class D, int kGroup>
 inline void decode_group(const uint8_t* w, __m512 mul, __m512 add, uint16_t* out) {
-  const __m512 table = code_values<M>();
+  const __m512 table = code_values<D>();
   const __m512i nibble = _mm512_set1_epi32(0x0f);
   constexpr int half = kGroup / 8;  // rows of 4 K-values in each nibble half
   for (int r = 0; r < half; ++r) {
@@ -60,20 +60,12 @@ inline void decode_group(const uint8_t* w, __m512 mul, __m512 add, uint16_t* out
   }
 }
 
-// The channels' block scales of an FP4 group (e8m0, or e4m3 without the matrix scale).
-template <Method M>
-inline __m512 fp4_block_scales(const uint8_t* block) {
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block));
-  if constexpr (M == Method::kMxfp4)
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu8_epi32(bytes), 23));
-  return e4m3_to_ps(bytes);
-}
-
-template <Method M>
+template <class D>
 void gemm_fp4_decoded(int m, int64_t K, int group, const Bf16Rows& a, const uint8_t* panels, int npanels,
                       float* c, int64_t ldc) {
-  const int64_t stride = panel_bytes(M, group, K), gbytes = group_bytes(M, group);
-  const int64_t wbytes = group_weight_bytes(M, group), decoded_panel = K * kPanelWidth;  // bf16 values
+  const int64_t stride = panel_bytes(D::kMethod, group, K), gbytes = group_bytes(D::kMethod, group);
+  const int64_t wbytes = group_weight_bytes(D::kMethod, group),
+                decoded_panel = K * kPanelWidth;  // bf16 values
   thread_local AlignedVector<uint16_t> decoded;
   if (decoded.size() < static_cast<size_t>(npanels * decoded_panel)) decoded.resize(npanels * decoded_panel);
   with_group(group, [&](auto group_size) {
@@ -81,14 +73,14 @@ void gemm_fp4_decoded(int m, int64_t K, int group, const Bf16Rows& a, const uint
     for (int p = 0; p < npanels; ++p)
       for (int64_t gi = 0; gi < K / kGroup; ++gi) {
         const uint8_t* w = panels + p * stride + gi * gbytes;
-        decode_group<M, kGroup>(w, fp4_block_scales<M>(w + wbytes), _mm512_setzero_ps(),
+        decode_group<D, kGroup>(w, D::template block_scales<Lanes>(w + wbytes, 0), _mm512_setzero_ps(),
                                 decoded.data() + p * decoded_panel + gi * kGroup * kPanelWidth);
       }
   });
   gemm_bf16(m, K, kKAlign, a, reinterpret_cast<const uint8_t*>(decoded.data()), npanels, c, ldc);
-  if constexpr (M == Method::kNvfp4)
+  if constexpr (D::kMatrixScale)
     for (int p = 0; p < npanels; ++p) {
-      const __m512 g = _mm512_set1_ps(nvfp4_global(panels + p * stride + wbytes));
+      const __m512 g = _mm512_set1_ps(D::matrix_scale(panels + p * stride + wbytes));
       for (int i = 0; i < m; ++i) {
         float* out = c + i * ldc + p * kPanelWidth;
         _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_loadu_ps(out), g));
@@ -98,24 +90,19 @@ void gemm_fp4_decoded(int m, int64_t K, int group, const Bf16Rows& a, const uint
 
 // RAWINT4 / GPTQ_INT4: q - zero per K-chunk of a tile's panels (decoded_tiles-inl.h), each group's
 // sums times its scale.
-template <Method M>
+template <class D>
 void gemm_int4_decoded(int m, int64_t K, int group, const Bf16Rows& a, const uint8_t* panels, int npanels,
                        float* c, int64_t ldc) {
-  const int64_t stride = panel_bytes(M, group, K), gbytes = group_bytes(M, group);
-  const int64_t wbytes = group_weight_bytes(M, group);
+  const int64_t stride = panel_bytes(D::kMethod, group, K), gbytes = group_bytes(D::kMethod, group);
+  const int64_t wbytes = group_weight_bytes(D::kMethod, group);
   with_group(group, [&](auto group_size) {
     constexpr int kGroup = decltype(group_size)::value;
     const auto decode = [&](const uint8_t* panel, int64_t gi, uint16_t* out) {
       const uint8_t* w = panel + gi * gbytes;
-      // q - zero: RAWINT4's zero is 8, GPTQ's block stores -zero in fp16 after the scales
-      const __m512 zero =
-          M == Method::kRawInt4
-              ? _mm512_set1_ps(-float{method_traits(M).weight_zero})
-              : _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + wbytes + 32)));
-      decode_group<M, kGroup>(w, _mm512_set1_ps(1.0f), zero, out);
+      decode_group<D, kGroup>(w, _mm512_set1_ps(1.0f), D::template zero_points<Lanes>(w + wbytes, 0), out);
     };
     const auto scale = [&](const uint8_t* panel, int64_t gi) {
-      return group_scales<M>(panel + gi * gbytes + wbytes).first;
+      return D::template scales<Lanes>(panel + gi * gbytes + wbytes, 0).first;
     };
     gemm_decoded<kGroup>(m, K, a, panels, npanels, stride, c, ldc, decode, scale);
   });
@@ -123,16 +110,16 @@ void gemm_int4_decoded(int m, int64_t K, int group, const Bf16Rows& a, const uin
 
 // The A16 GEMM of the bf16-activation nibble methods: int16 passes for a few rows, decoded tiles for
 // more (on CPUs with AVX-512 BF16).
-template <Method M>
+template <class D>
 void gemm_nibbles_a16(int m, int64_t K, int group, const Bf16Rows& a, const uint8_t* panels, int npanels,
                       float* c, int64_t ldc) {
-  static_assert(kNibbles<M> && method_traits(M).gate_up_input == Activation::kBf16);
+  static_assert(kNibbles<D> && method_traits(D::kMethod).gate_up_input == Activation::kBf16);
   static const bool has_bf16 = cpu_features().avx512_bf16;
-  if (m < kDecodedMinRows || !has_bf16) return gemm_quant_a16<M>(m, K, group, a, panels, npanels, c, ldc);
-  if constexpr (kLookupNibbles<M>)
-    gemm_fp4_decoded<M>(m, K, group, a, panels, npanels, c, ldc);
+  if (m < kDecodedMinRows || !has_bf16) return gemm_quant_a16<D>(m, K, group, a, panels, npanels, c, ldc);
+  if constexpr (kLookupNibbles<D>)
+    gemm_fp4_decoded<D>(m, K, group, a, panels, npanels, c, ldc);
   else
-    gemm_int4_decoded<M>(m, K, group, a, panels, npanels, c, ldc);
+    gemm_int4_decoded<D>(m, K, group, a, panels, npanels, c, ldc);
 }
 
 }  // namespace kt::kernels::avx512

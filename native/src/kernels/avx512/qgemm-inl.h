@@ -10,57 +10,18 @@
 
 #include "../activations.h"
 #include "../epilogue.h"
+#include "lanes.h"
 #include "row_blocks-inl.h"
 
 namespace kt::kernels::avx512 {
 
-// 16 e4m3 bytes as fp32, exactly (NaN codes are refused at load): normal codes move their exponent
-// and mantissa bits into place, subnormal ones (exponent 0) are mantissa * 2^-9.
-inline __m512 e4m3_to_ps(__m128i bytes) {
-  const __m512i b = _mm512_cvtepu8_epi32(bytes);
-  const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24);
-  const __m512i mag = _mm512_and_si512(b, _mm512_set1_epi32(0x7f));
-  const __m512 normal =
-      _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(mag, 20), _mm512_set1_epi32(120 << 23)));
-  const __m512 subnormal = _mm512_mul_ps(_mm512_cvtepi32_ps(mag), _mm512_set1_ps(0x1p-9f));
-  const __mmask16 is_subnormal = _mm512_cmplt_epi32_mask(mag, _mm512_set1_epi32(8));
-  const __m512 v = _mm512_mask_blend_ps(is_subnormal, normal, subnormal);
-  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(v), sign));
-}
-
-// The 16 channels' scale ws and offset wm of one group (../epilogue.h), from its scale block.
-template <Method M>
-inline std::pair<__m512, __m512> group_scales(const uint8_t* block) {
-  auto load16 = [&](int offset) {
-    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + offset));
-  };
-  if constexpr (M == Method::kNvfp4) {  // e4m3 bytes times the matrix's scale, halved (2 x e2m1)
-    const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block));
-    return {_mm512_mul_ps(e4m3_to_ps(codes), _mm512_set1_ps(0.5f * nvfp4_global(block))),
-            _mm512_setzero_ps()};
-  } else if constexpr (M == Method::kMxfp4) {  // e8m0 bytes: 2^(e - 127), halved as the weights are 2 x e2m1
-    const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block)));
-    return {_mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(e, 23)), _mm512_set1_ps(0.5f)),
-            _mm512_setzero_ps()};
-  } else if constexpr (M == Method::kRawInt4) {  // bf16 scales, symmetric around weight_zero
-    const __m512 ws = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(load16(0)), 16));
-    return {ws, _mm512_mul_ps(ws, _mm512_set1_ps(-float{method_traits(M).weight_zero}))};
-  } else {
-    const __m512 ws = _mm512_cvtph_ps(load16(0));
-    if constexpr (M == Method::kInt8) return {ws, _mm512_mul_ps(ws, _mm512_set1_ps(-128.0f))};
-    const __m512 second = _mm512_cvtph_ps(load16(32));
-    if constexpr (M == Method::kGptqInt4) return {ws, _mm512_mul_ps(ws, second)};  // second = -zero
-    return {ws, second};
-  }
-}
-
 // kRows rows of one panel per pass (decode).
-template <Method M, int kGroup, int kRows>
+template <class D, int kGroup, int kRows>
 inline void gemm_quant_rows(int64_t K, const QuantRows& a, int i0, const uint8_t* panel, float* const* out) {
   // Independent accumulators per row: vpdpbusd has a latency of several cycles, and one chain per
   // row would bound a single-row (decode) pass to ~13 GB/s per core.
   constexpr int kChains = kRows == 1 ? 4 : 2;
-  constexpr int64_t gbytes = group_bytes(M, kGroup), wbytes = group_weight_bytes(M, kGroup);
+  constexpr int64_t gbytes = group_bytes(D::kMethod, kGroup), wbytes = group_weight_bytes(D::kMethod, kGroup);
   const int64_t ahead_bytes = prefetch_distance(gbytes);
   const __m512i nibble = _mm512_set1_epi8(0x0f);
   __m512 acc[kRows];
@@ -73,7 +34,7 @@ inline void gemm_quant_rows(int64_t K, const QuantRows& a, int i0, const uint8_t
     __m512i d[kRows][kChains];
     for (int i = 0; i < kRows; ++i)
       for (int u = 0; u < kChains; ++u) d[i][u] = _mm512_setzero_si512();
-    if constexpr (!kNibbles<M>) {
+    if constexpr (!kNibbles<D>) {
       // A group of 32 is half a chunk, one of 128 two chunks.
       for (int c = 0; c < kGroup; c += kChunkBytes) {
         constexpr int quads = std::min<int>(kChunkBytes, kGroup) / 4;
@@ -106,7 +67,7 @@ inline void gemm_quant_rows(int64_t K, const QuantRows& a, int i0, const uint8_t
           }
         }
     }
-    const auto [ws, wm] = group_scales<M>(w + wbytes);
+    const auto [ws, wm] = D::template scales<Lanes>(w + wbytes, 0);
     for (int i = 0; i < kRows; ++i) {
       __m512i dsum = d[i][0];
       for (int u = 1; u < kChains; ++u) dsum = _mm512_add_epi32(dsum, d[i][u]);
@@ -125,10 +86,10 @@ inline void gemm_quant_rows(int64_t K, const QuantRows& a, int i0, const uint8_t
 // inlined into gemm_quant, the tile's code followed GCC's choices for the whole dispatcher, and a
 // change to the decode loop alone made INT4 prefill 20-25% slower (Qwen3, 512 tokens); one call
 // per tile costs nothing next to its loop over K.
-template <Method M, int kGroup, int kRows, int kPanels>
+template <class D, int kGroup, int kRows, int kPanels>
 __attribute__((noinline)) void gemm_quant_tile(int64_t K, const QuantRows& a, int i0, const uint8_t* panel0,
                                                int64_t panel_stride, float* c, int64_t ldc) {
-  const int64_t gbytes = group_bytes(M, kGroup), wbytes = group_weight_bytes(M, kGroup);
+  const int64_t gbytes = group_bytes(D::kMethod, kGroup), wbytes = group_weight_bytes(D::kMethod, kGroup);
   const __m512i nibble = _mm512_set1_epi8(0x0f);
   for (int64_t gi = 0; gi < K / kGroup; ++gi) {
     const int64_t k0 = gi * kGroup;
@@ -145,7 +106,7 @@ __attribute__((noinline)) void gemm_quant_tile(int64_t K, const QuantRows& a, in
       }
     };
     const int32_t* x[kRows];
-    if constexpr (!kNibbles<M>) {
+    if constexpr (!kNibbles<D>) {
       for (int ch = 0; ch < kGroup; ch += kChunkBytes) {  // a group of 128 spans two 64-byte chunks
         for (int i = 0; i < kRows; ++i) x[i] = reinterpret_cast<const int32_t*>(quant_at(a, i0 + i, k0 + ch));
         const int quads = std::min<int>(kChunkBytes, kGroup) / 4;
@@ -172,7 +133,7 @@ __attribute__((noinline)) void gemm_quant_tile(int64_t K, const QuantRows& a, in
       }
     }
     for (int p = 0; p < kPanels; ++p) {
-      const auto [ws, wm] = group_scales<M>(w[p] + wbytes);
+      const auto [ws, wm] = D::template scales<Lanes>(w[p] + wbytes, 0);
       for (int i = 0; i < kRows; ++i) {
         float* out = c + (i0 + i) * ldc + p * kPanelWidth;
         const __m512 sum = gi == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(out);
@@ -189,26 +150,25 @@ __attribute__((noinline)) void gemm_quant_tile(int64_t K, const QuantRows& a, in
 // x1.00-1.46; at 12 rows x0.68 and x0.86).
 inline constexpr int kMaxRowBlockRows = 8;
 
-template <Method M>
+template <class D>
 void gemm_quant(int m, int64_t K, int group, const QuantRows& a, const uint8_t* panels, int npanels, float* c,
                 int64_t ldc) {
-  static_assert(kIntegerMethod<M>, "the integer GEMM decodes the integer methods' weights only");
-  static_assert(!kLookupNibbles<M>, "looked-up nibbles have no int8-input kernel");
-  const int64_t stride = panel_bytes(M, group, K);
+  static_assert(!kLookupNibbles<D>, "looked-up nibbles have no int8-input kernel");
+  const int64_t stride = panel_bytes(D::kMethod, group, K);
   with_group(group, [&](auto group_size) {
     constexpr int kGroup = decltype(group_size)::value;
     if (m > kMaxRowBlockRows) {
       // 4 x 2 measured best on Zen 4 (m = 32-256, K = 2048 and 7168: INT8 x1.11-1.22, INT4
       // x0.98-1.03 over the decode blocks; 6 x 4 and 4 x 4 lost up to x0.6 for INT4).
       for_each_tile<4, 2>(m, npanels, [&](auto rows, auto tile_panels, int i0, int p0) {
-        gemm_quant_tile<M, kGroup, decltype(rows)::value, decltype(tile_panels)::value>(
+        gemm_quant_tile<D, kGroup, decltype(rows)::value, decltype(tile_panels)::value>(
             K, a, i0, panels + p0 * stride, stride, c + p0 * kPanelWidth, ldc);
       });
       return;
     }
     for_each_row_block(m, panels, npanels, stride, c, ldc,
                        [&](auto rows, int i0, const uint8_t* panel, float* const* out) {
-                         gemm_quant_rows<M, kGroup, decltype(rows)::value>(K, a, i0, panel, out);
+                         gemm_quant_rows<D, kGroup, decltype(rows)::value>(K, a, i0, panel, out);
                        });
   });
 }

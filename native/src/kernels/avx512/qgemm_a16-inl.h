@@ -18,6 +18,7 @@
 #include "../activations.h"
 #include "../epilogue.h"
 #include "../int16_rows.h"
+#include "lanes.h"
 #include "qgemm-inl.h"
 #include "row_blocks-inl.h"
 
@@ -59,25 +60,25 @@ inline void quantize_int16_rows(Int16Rows& rows, const Bf16Rows& a, int m, int64
 }
 
 // kE2m1Twice as 32 int16 lanes (codes index the first 16) for the lookup methods, else unused.
-template <Method M>
+template <class D>
 inline __m512i lookup_table() {
-  if constexpr (!kLookupNibbles<M>) return _mm512_setzero_si512();
+  if constexpr (!kLookupNibbles<D>) return _mm512_setzero_si512();
   alignas(64) int16_t t[32] = {};
   for (int i = 0; i < 16; ++i) t[i] = kE2m1Twice[i];
   return _mm512_load_si512(t);
 }
 
-template <Method M, int kGroup, int kRows>
+template <class D, int kGroup, int kRows>
 inline void gemm_a16_rows(int64_t K, const Int16Rows& a, int i0, const uint8_t* panel, float* const* out) {
   constexpr int kChains = kRows == 1 ? 4 : 2;  // vpdpwssd latency
   const int64_t groups = K / kGroup;
-  const int64_t gbytes = group_bytes(M, kGroup), wbytes = group_weight_bytes(M, kGroup);
+  const int64_t gbytes = group_bytes(D::kMethod, kGroup), wbytes = group_weight_bytes(D::kMethod, kGroup);
   const int64_t ahead_bytes = prefetch_distance(gbytes);
   const __m512i low_byte = _mm512_set1_epi16(0x00ff), nibble = _mm512_set1_epi16(0x000f);
   // Looked-up nibbles: 16-bit lanes holding codes 0..15 become their int16 values (vpermw).
-  const __m512i table = lookup_table<M>();
+  const __m512i table = lookup_table<D>();
   auto decode = [&](__m512i codes) __attribute__((always_inline)) {
-    if constexpr (kLookupNibbles<M>) return _mm512_permutexvar_epi16(codes, table);
+    if constexpr (kLookupNibbles<D>) return _mm512_permutexvar_epi16(codes, table);
     return codes;
   };
   __m512 acc[kRows];
@@ -102,7 +103,7 @@ inline void gemm_a16_rows(int64_t K, const Int16Rows& a, int i0, const uint8_t* 
       for (int i = 0; i < kRows; ++i) xk[i] = x[i] + k;
       return xk;
     };
-    if constexpr (!kNibbles<M>) {
+    if constexpr (!kNibbles<D>) {
       for (int r = 0; r < kGroup / 4; ++r) {
         const __m512i v = _mm512_loadu_si512(w + r * 64);
         dot(_mm512_and_si512(v, low_byte), at(4 * r), 2 * r);    // bytes 0, 2
@@ -119,7 +120,7 @@ inline void gemm_a16_rows(int64_t K, const Int16Rows& a, int i0, const uint8_t* 
         dot(decode(_mm512_srli_epi16(v, 12)), at(hi + 2), 3);
       }
     }
-    const auto [ws, wm] = group_scales<M>(w + wbytes);
+    const auto [ws, wm] = D::template scales<Lanes>(w + wbytes, 0);
     for (int i = 0; i < kRows; ++i) {
       __m512i dsum = d[i][0];
       for (int u = 1; u < kChains; ++u) dsum = _mm512_add_epi32(dsum, d[i][u]);
@@ -132,16 +133,15 @@ inline void gemm_a16_rows(int64_t K, const Int16Rows& a, int i0, const uint8_t* 
   for (int i = 0; i < kRows; ++i) _mm512_storeu_ps(out[i], acc[i]);
 }
 
-template <Method M>
+template <class D>
 void gemm_quant_a16(int m, int64_t K, int group, const Bf16Rows& a, const uint8_t* panels, int npanels,
                     float* c, int64_t ldc) {
-  static_assert(kIntegerMethod<M>, "the integer GEMM decodes the integer methods' weights only");
   thread_local Int16Rows rows;
   quantize_int16_rows(rows, a, m, K, group);
   with_group(group, [&](auto group_size) {
-    for_each_row_block(m, panels, npanels, panel_bytes(M, group, K), c, ldc,
+    for_each_row_block(m, panels, npanels, panel_bytes(D::kMethod, group, K), c, ldc,
                        [&](auto rows_per_pass, int i0, const uint8_t* panel, float* const* out) {
-                         gemm_a16_rows<M, decltype(group_size)::value, decltype(rows_per_pass)::value>(
+                         gemm_a16_rows<D, decltype(group_size)::value, decltype(rows_per_pass)::value>(
                              K, rows, i0, panel, out);
                        });
   });

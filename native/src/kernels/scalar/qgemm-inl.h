@@ -6,17 +6,17 @@
 #include "../activations.h"
 #include "../epilogue.h"
 #include "kt/kernels.h"
+#include "lanes.h"
 
 namespace kt::kernels::scalar {
 
-template <Method M>
+template <class D>
 void gemm_quant(int m, int64_t K, int group, const QuantRows& a, const uint8_t* panels, int npanels, float* c,
                 int64_t ldc) {
-  static_assert(kIntegerMethod<M>, "the integer GEMM decodes the integer methods' weights only");
-  static_assert(!kLookupNibbles<M>, "looked-up nibbles have no int8-input kernel");
-  const int64_t pbytes = panel_bytes(M, group, K);
-  const int64_t gbytes = group_bytes(M, group);
-  const int64_t wbytes = group_weight_bytes(M, group);
+  static_assert(!kLookupNibbles<D>, "looked-up nibbles have no int8-input kernel");
+  const int64_t pbytes = panel_bytes(D::kMethod, group, K);
+  const int64_t gbytes = group_bytes(D::kMethod, group);
+  const int64_t wbytes = group_weight_bytes(D::kMethod, group);
   for (int p = 0; p < npanels; ++p) {
     const uint8_t* panel = panels + p * pbytes;
     for (int i = 0; i < m; ++i) {
@@ -27,9 +27,8 @@ void gemm_quant(int m, int64_t K, int group, const QuantRows& a, const uint8_t* 
         for (int n = 0; n < kPanelWidth; ++n) {
           int32_t d = 0;
           for (int k = 0; k < group; ++k)
-            d += int32_t{*quant_at(a, i, gi * group + k)} * packed_weight<M>(w, group, n, k);
-          const float ws = GroupScales<M>::scale(w + wbytes, n);
-          const float wm = GroupScales<M>::offset(w + wbytes, n);
+            d += int32_t{*quant_at(a, i, gi * group + k)} * packed_weight<D>(w, group, n, k);
+          const auto [ws, wm] = D::template scales<Lanes>(w + wbytes, n);
           acc[n] += static_cast<float>(d) * (sa * ws) + ssum * wm;
         }
       }

@@ -6,18 +6,18 @@
 #include "../activations.h"
 #include "../epilogue.h"
 #include "kt/kernels.h"
+#include "lanes.h"
 
 namespace kt::kernels::scalar {
 
 // Quantized weights, bf16 activations: per group, ws * sum(h * q) (+ wm * sum(h) for nibbles), with
 // INT8's q = u - 128 taken signed so that nothing cancels.
-template <Method M>
+template <class D>
 void gemm_quant_a16(int m, int64_t K, int group, const Bf16Rows& a, const uint8_t* panels, int npanels,
                     float* c, int64_t ldc) {
-  static_assert(kIntegerMethod<M>, "the integer GEMM decodes the integer methods' weights only");
-  const int64_t pbytes = panel_bytes(M, group, K);
-  const int64_t gbytes = group_bytes(M, group);
-  const int64_t wbytes = group_weight_bytes(M, group);
+  const int64_t pbytes = panel_bytes(D::kMethod, group, K);
+  const int64_t gbytes = group_bytes(D::kMethod, group);
+  const int64_t wbytes = group_weight_bytes(D::kMethod, group);
   for (int p = 0; p < npanels; ++p) {
     const uint8_t* panel = panels + p * pbytes;
     for (int i = 0; i < m; ++i) {
@@ -29,11 +29,12 @@ void gemm_quant_a16(int m, int64_t K, int group, const Bf16Rows& a, const uint8_
         for (int n = 0; n < kPanelWidth; ++n) {
           float d = 0.0f;
           for (int k = 0; k < group; ++k) {
-            const int q = weight_value<M>(packed_weight<M>(w, group, n, k));
+            const int q = weight_value<D>(packed_weight<D>(w, group, n, k));
             d += bf16_to_float(*bf16_at(a, i, gi * group + k)) * static_cast<float>(q);
           }
-          acc[n] += GroupScales<M>::scale(w + wbytes, n) * d;
-          if constexpr (kNibbles<M>) acc[n] += GroupScales<M>::offset(w + wbytes, n) * hsum;
+          const auto [ws, wm] = D::template scales<Lanes>(w + wbytes, n);
+          acc[n] += ws * d;
+          if constexpr (kNibbles<D>) acc[n] += wm * hsum;
         }
       }
       for (int n = 0; n < kPanelWidth; ++n) c[i * ldc + p * kPanelWidth + n] = acc[n];

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 
+#include "kernels/epilogue.h"
 #include "kt/kernels.h"
 #include "kt/packing.h"
 #include "kt/quantize.h"
@@ -22,17 +23,36 @@ void pack_group_gptq(const CanonicalMatrix& src, const PackRegion& region, int64
 
 }  // namespace kt::int4_checkpoint
 
-namespace kt::kernels {
-// Per family (src/methods/int4_checkpoint/<isa>.cpp); AMX takes AVX-512's.
-#define KT_DECLARE_INT4_CHECKPOINT(ns)                                                                  \
-  namespace ns {                                                                                        \
-  void gemm_rawint4(int m, int64_t K, int group, const Bf16Rows& a, const uint8_t* panels, int npanels, \
-                    float* c, int64_t ldc);                                                             \
-  void gemm_gptq(int m, int64_t K, int group, const Bf16Rows& a, const uint8_t* panels, int npanels,    \
-                 float* c, int64_t ldc);                                                                \
+namespace kt {
+
+// RAWINT4: w = ws * (q - 8), the bf16 scale per group.
+struct RawInt4Decoder {
+  static constexpr Method kMethod = Method::kRawInt4;
+  static constexpr kernels::Codes kCodes = kernels::Codes::kIntNibbles;
+  template <class L>
+  static typename L::F zero_points(const uint8_t*, int) {
+    return L::set1(-float{method_traits(kMethod).weight_zero});
   }
-KT_DECLARE_INT4_CHECKPOINT(scalar)
-KT_DECLARE_INT4_CHECKPOINT(avx2)
-KT_DECLARE_INT4_CHECKPOINT(avx512)
-#undef KT_DECLARE_INT4_CHECKPOINT
-}  // namespace kt::kernels
+  template <class L>
+  static kernels::ScalePair<L> scales(const uint8_t* block, int n0) {
+    const auto ws = L::bf16(block + 2 * n0);
+    return {ws, L::mul(ws, zero_points<L>(block, n0))};
+  }
+};
+
+// GPTQ_INT4: w = ws * (q - zero), the fp16 scale then the fp16 -zero per channel.
+struct GptqInt4Decoder {
+  static constexpr Method kMethod = Method::kGptqInt4;
+  static constexpr kernels::Codes kCodes = kernels::Codes::kIntNibbles;
+  template <class L>
+  static typename L::F zero_points(const uint8_t* block, int n0) {
+    return L::fp16(block + 2 * kPanelWidth + 2 * n0);
+  }
+  template <class L>
+  static kernels::ScalePair<L> scales(const uint8_t* block, int n0) {
+    const auto ws = L::fp16(block + 2 * n0);
+    return {ws, L::mul(ws, zero_points<L>(block, n0))};
+  }
+};
+
+}  // namespace kt

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 
+#include "kernels/epilogue.h"
 #include "kt/kernels.h"
 #include "kt/packing.h"
 #include "kt/quantize.h"
@@ -17,15 +18,21 @@ void pack_group(const CanonicalMatrix& src, const PackRegion& region, int64_t n0
 
 }  // namespace kt::mxfp4
 
-namespace kt::kernels {
-// The A16 GEMM per family (src/methods/mxfp4/<isa>.cpp); AMX takes AVX-512's.
-#define KT_DECLARE_MXFP4(ns)                                                                          \
-  namespace ns {                                                                                      \
-  void gemm_mxfp4(int m, int64_t K, int group, const Bf16Rows& a, const uint8_t* panels, int npanels, \
-                  float* c, int64_t ldc);                                                             \
+namespace kt {
+
+// w = 2^(e - 127) * e2m1: the codes are looked up as twice their value, so the scale is halved.
+struct Mxfp4Decoder {
+  static constexpr Method kMethod = Method::kMxfp4;
+  static constexpr kernels::Codes kCodes = kernels::Codes::kE2m1Nibbles;
+  static constexpr bool kMatrixScale = false;
+  template <class L>
+  static typename L::F block_scales(const uint8_t* block, int n0) {
+    return L::e8m0(block + n0);
   }
-KT_DECLARE_MXFP4(scalar)
-KT_DECLARE_MXFP4(avx2)
-KT_DECLARE_MXFP4(avx512)
-#undef KT_DECLARE_MXFP4
-}  // namespace kt::kernels
+  template <class L>
+  static kernels::ScalePair<L> scales(const uint8_t* block, int n0) {
+    return {L::mul(block_scales<L>(block, n0), L::set1(0.5f)), L::zero()};
+  }
+};
+
+}  // namespace kt

@@ -5,7 +5,9 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 
+#include "kernels/epilogue.h"
 #include "kt/kernels.h"
 #include "kt/packing.h"
 #include "kt/quantize.h"
@@ -17,15 +19,27 @@ void pack_group(const CanonicalMatrix& src, const PackRegion& region, int64_t n0
 
 }  // namespace kt::nvfp4
 
-namespace kt::kernels {
-// The A16 GEMM per family (src/methods/nvfp4/<isa>.cpp); AMX takes AVX-512's.
-#define KT_DECLARE_NVFP4(ns)                                                                          \
-  namespace ns {                                                                                      \
-  void gemm_nvfp4(int m, int64_t K, int group, const Bf16Rows& a, const uint8_t* panels, int npanels, \
-                  float* c, int64_t ldc);                                                             \
+namespace kt {
+
+// w = e4m3 scale * global * e2m1, the matrix's fp32 global stored after each group's 16 scales;
+// the codes are looked up as twice their value, so the scale is halved.
+struct Nvfp4Decoder {
+  static constexpr Method kMethod = Method::kNvfp4;
+  static constexpr kernels::Codes kCodes = kernels::Codes::kE2m1Nibbles;
+  static constexpr bool kMatrixScale = true;
+  static float matrix_scale(const uint8_t* block) {
+    float g;
+    std::memcpy(&g, block + kPanelWidth, 4);
+    return g;
   }
-KT_DECLARE_NVFP4(scalar)
-KT_DECLARE_NVFP4(avx2)
-KT_DECLARE_NVFP4(avx512)
-#undef KT_DECLARE_NVFP4
-}  // namespace kt::kernels
+  template <class L>
+  static typename L::F block_scales(const uint8_t* block, int n0) {
+    return L::e4m3(block + n0);
+  }
+  template <class L>
+  static kernels::ScalePair<L> scales(const uint8_t* block, int n0) {
+    return {L::mul(block_scales<L>(block, n0), L::set1(0.5f * matrix_scale(block))), L::zero()};
+  }
+};
+
+}  // namespace kt

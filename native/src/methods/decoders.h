@@ -1,0 +1,58 @@
+// The methods whose kernels are the shared quantized skeletons (src/kernels/<isa>/qgemm*-inl.h)
+// instantiated with the method's decoder (src/kernels/epilogue.h): one list, from which every
+// kernel family instantiates its GEMMs (src/kernels/<isa>/decoded_methods.cpp) and the registry
+// takes their addresses. BF16 and FP8 have kernels of their own (src/methods/<method>/<isa>.cpp).
+#pragma once
+
+#include <cstdint>
+
+#include "int4/int4.h"
+#include "int4_checkpoint/int4_checkpoint.h"
+#include "int8/int8.h"
+#include "kt/kernels.h"
+#include "mxfp4/mxfp4.h"
+#include "nvfp4/nvfp4.h"
+
+// Methods that read int8 activations: an int8-input GEMM ("Q8") and a bf16-input one ("A16"); the
+// AMX family has both for these.
+#define KT_Q8_DECODERS(X) X(Int8Decoder) X(Int4Decoder)
+// Methods that read bf16 activations only: an A16 GEMM.
+#define KT_A16_DECODERS(X) X(RawInt4Decoder) X(GptqInt4Decoder) X(Mxfp4Decoder) X(Nvfp4Decoder)
+
+namespace kt {
+
+// The decoder of a method, for code that holds a Method (void: the method has kernels of its own).
+template <Method M>
+struct DecoderFor {
+  using type = void;
+};
+#define KT_DECODER_FOR(D)         \
+  template <>                     \
+  struct DecoderFor<D::kMethod> { \
+    using type = D;               \
+  };
+KT_Q8_DECODERS(KT_DECODER_FOR)
+KT_A16_DECODERS(KT_DECODER_FOR)
+#undef KT_DECODER_FOR
+
+namespace kernels {
+// Each family's GEMMs over a decoder D, defined and instantiated for the lists above in
+// src/kernels/<isa>/decoded_methods.cpp (amx: the Q8 list only).
+#define KT_DECLARE_DECODED_GEMMS(ns)                                                                \
+  namespace ns {                                                                                    \
+  template <class D>                                                                                \
+  void gemm_q8(int m, int64_t K, int group, const QuantRows& a, const uint8_t* panels, int npanels, \
+               float* c, int64_t ldc);                                                              \
+  template <class D>                                                                                \
+  void gemm_a16(int m, int64_t K, int group, const Bf16Rows& a, const uint8_t* panels, int npanels, \
+                float* c, int64_t ldc);                                                             \
+  }
+KT_DECLARE_DECODED_GEMMS(scalar)
+KT_DECLARE_DECODED_GEMMS(avx2)
+KT_DECLARE_DECODED_GEMMS(avx512)
+KT_DECLARE_DECODED_GEMMS(amx)
+KT_DECLARE_DECODED_GEMMS(amx_emu)
+#undef KT_DECLARE_DECODED_GEMMS
+}  // namespace kernels
+
+}  // namespace kt
