@@ -91,13 +91,20 @@ const KernelTable& kernel_table(Isa isa);
 Isa selected_isa();
 
 namespace kernels {
-// The BF16 kernels of each family (src/methods/bf16/<isa>.cpp); FP8 declares its own in its folder
-// (src/methods/fp8/fp8.h), the decoded methods' are templates over their decoders
-// (src/methods/decoders.h).
+// Each family's kernels: BF16's (src/methods/bf16/<isa>.cpp), and the GEMMs over a method's decoder
+// D (src/kernels/epilogue.h), defined in the family's qgemm*-inl.h and instantiated for the decoders
+// of src/methods/decoders.h in its decoded_methods.cpp (AMX: those with int8 activations). FP8
+// declares its own in its folder (src/methods/fp8/fp8.h).
 #define KT_DECLARE_KERNELS(ns)                                                                       \
   namespace ns {                                                                                     \
   void gemm_bf16(int m, int64_t K, int group, const Bf16Rows& a, const uint8_t* panels, int npanels, \
                  float* c, int64_t ldc);                                                             \
+  template <class D>                                                                                 \
+  void gemm_q8(int m, int64_t K, int group, const QuantRows& a, const uint8_t* panels, int npanels,  \
+               float* c, int64_t ldc);                                                               \
+  template <class D>                                                                                 \
+  void gemm_a16(int m, int64_t K, int group, const Bf16Rows& a, const uint8_t* panels, int npanels,  \
+                float* c, int64_t ldc);                                                              \
   }
 KT_DECLARE_KERNELS(scalar)
 KT_DECLARE_KERNELS(avx2)

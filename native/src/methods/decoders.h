@@ -9,7 +9,7 @@
 #include "int4/int4.h"
 #include "int4_checkpoint/int4_checkpoint.h"
 #include "int8/int8.h"
-#include "kt/kernels.h"
+#include "kt/kernels.h"  // the families' gemm_q8 / gemm_a16 over a decoder
 #include "mxfp4/mxfp4.h"
 #include "nvfp4/nvfp4.h"
 
@@ -18,6 +18,14 @@
 #define KT_Q8_DECODERS(X) X(Int8Decoder) X(Int4Decoder)
 // Methods that read bf16 activations only: an A16 GEMM.
 #define KT_A16_DECODERS(X) X(RawInt4Decoder) X(GptqInt4Decoder) X(Mxfp4Decoder) X(Nvfp4Decoder)
+
+// A family's instances (in its namespace, after its skeletons): KT_Q8_DECODERS(KT_INSTANTIATE_Q8)
+// and, but for AMX, KT_A16_DECODERS(KT_INSTANTIATE_A16).
+#define KT_INSTANTIATE_Q8(D)                                                                           \
+  template void gemm_q8<D>(int, int64_t, int, const QuantRows&, const uint8_t*, int, float*, int64_t); \
+  template void gemm_a16<D>(int, int64_t, int, const Bf16Rows&, const uint8_t*, int, float*, int64_t);
+#define KT_INSTANTIATE_A16(D) \
+  template void gemm_a16<D>(int, int64_t, int, const Bf16Rows&, const uint8_t*, int, float*, int64_t);
 
 namespace kt {
 
@@ -34,25 +42,5 @@ struct DecoderFor {
 KT_Q8_DECODERS(KT_DECODER_FOR)
 KT_A16_DECODERS(KT_DECODER_FOR)
 #undef KT_DECODER_FOR
-
-namespace kernels {
-// Each family's GEMMs over a decoder D, defined and instantiated for the lists above in
-// src/kernels/<isa>/decoded_methods.cpp (amx: the Q8 list only).
-#define KT_DECLARE_DECODED_GEMMS(ns)                                                                \
-  namespace ns {                                                                                    \
-  template <class D>                                                                                \
-  void gemm_q8(int m, int64_t K, int group, const QuantRows& a, const uint8_t* panels, int npanels, \
-               float* c, int64_t ldc);                                                              \
-  template <class D>                                                                                \
-  void gemm_a16(int m, int64_t K, int group, const Bf16Rows& a, const uint8_t* panels, int npanels, \
-                float* c, int64_t ldc);                                                             \
-  }
-KT_DECLARE_DECODED_GEMMS(scalar)
-KT_DECLARE_DECODED_GEMMS(avx2)
-KT_DECLARE_DECODED_GEMMS(avx512)
-KT_DECLARE_DECODED_GEMMS(amx)
-KT_DECLARE_DECODED_GEMMS(amx_emu)
-#undef KT_DECLARE_DECODED_GEMMS
-}  // namespace kernels
 
 }  // namespace kt

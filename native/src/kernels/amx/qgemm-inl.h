@@ -15,7 +15,6 @@
 #include <tuple>
 #include <vector>
 
-#include "../avx512/lanes.h"
 #include "../epilogue.h"
 #include "tile_config.h"
 
@@ -126,7 +125,7 @@ class Int4PanelStager {
 
  private:
   void scales_of(int64_t g, __m512& ws, __m512& wm) const {
-    std::tie(ws, wm) = D::template scales<avx512::Lanes>(panel_ + g * gbytes_ + wbytes_, 0);
+    std::tie(ws, wm) = D::template scales<Lanes>(panel_ + g * gbytes_ + wbytes_, 0);
   }
 
   void start_group() {
@@ -165,7 +164,7 @@ class Int4PanelStager {
 // INT4 with one activation scale per row: per channel pair, both panels requantized over all of K
 // (Int4PanelStager, 32 * K bytes in L2), then per block of 32 rows 2 A and 2 B tile loads and 4
 // tdpbssd per 64 K-values, the sums kept in the tiles over all of K, and one epilogue (c = sum * row
-// scale * channel scale). The group epilogue of gemm_quant, 4 vector operations per 16 sums per
+// scale * channel scale). The group epilogue of gemm_q8, 4 vector operations per 16 sums per
 // group, is what bounds that kernel. The next pair is requantized a few rows per K-step, between the
 // tile instructions of this one (two sets of staged weights).
 template <class D>
@@ -258,9 +257,9 @@ void gemm_int4_whole_k(int m, int64_t K, int group, const QuantRows& a, const ui
 }
 
 template <class D>
-void gemm_quant(int m, int64_t K, int group, const QuantRows& a, const uint8_t* panels, int npanels, float* c,
-                int64_t ldc, GemmQ8Fn small) {
-  if (m <= 4 || group % 32 != 0) return small(m, K, group, a, panels, npanels, c, ldc);
+void gemm_q8(int m, int64_t K, int group, const QuantRows& a, const uint8_t* panels, int npanels, float* c,
+             int64_t ldc) {
+  if (m <= 4 || group % 32 != 0) return avx512::gemm_q8<D>(m, K, group, a, panels, npanels, c, ldc);
   if constexpr (method_traits(D::kMethod).gate_up_input_per_row)
     if (m >= kWholeKMinRows && one_scale_per_row(a, m, K / group))
       return gemm_int4_whole_k<D>(m, K, group, a, panels, npanels, c, ldc);
@@ -330,7 +329,7 @@ void gemm_quant(int m, int64_t K, int group, const QuantRows& a, const uint8_t* 
       Pending now;
       now.group = gi;
       for (int h = 0; h < 2; ++h) {
-        std::tie(now.ws[h], now.wm[h]) = D::template scales<avx512::Lanes>((h == 0 ? g0 : g1) + wbytes, 0);
+        std::tie(now.ws[h], now.wm[h]) = D::template scales<Lanes>((h == 0 ? g0 : g1) + wbytes, 0);
       }
       if (ktiles == 1) {  // the group's B tiles stay loaded for every row block
         _tile_loadd(6, staged[0], 64);

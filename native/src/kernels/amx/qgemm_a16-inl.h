@@ -8,7 +8,6 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "../avx512/lanes.h"
 #include "../epilogue.h"
 #include "kt/aligned_vector.h"
 #include "tile_config.h"
@@ -56,7 +55,7 @@ void dequantize_panel(const uint8_t* panel, int64_t K, int group, uint8_t* out) 
     for (int64_t off = 0; off < gbytes; off += 64)
       _mm_prefetch(reinterpret_cast<const char*>(w + 2 * gbytes + off), _MM_HINT_T0);
     // INT8 stores u = q + 128: w = ws * u - 128 * ws (exact offset, one rounding as with q).
-    const auto [ws, wm] = D::template scales<avx512::Lanes>(w + wbytes, 0);
+    const auto [ws, wm] = D::template scales<Lanes>(w + wbytes, 0);
     const __m512 ws24 = _mm512_mul_ps(ws, _mm512_set1_ps(0x1p-24f));
     __m512 scale[2], offset[2];
     for (int hi = 0; hi < 2; ++hi) {
@@ -110,9 +109,9 @@ void dequantize_panel(const uint8_t* panel, int64_t K, int group, uint8_t* out) 
 inline constexpr int64_t kDequantRunBytes = 1 << 20;
 
 template <class D>
-void gemm_quant_a16(int m, int64_t K, int group, const Bf16Rows& a, const uint8_t* panels, int npanels,
-                    float* c, int64_t ldc, GemmA16Fn small) {
-  if (m <= 4) return small(m, K, group, a, panels, npanels, c, ldc);
+void gemm_a16(int m, int64_t K, int group, const Bf16Rows& a, const uint8_t* panels, int npanels, float* c,
+              int64_t ldc) {
+  if (m <= 4) return avx512::gemm_a16<D>(m, K, group, a, panels, npanels, c, ldc);
   const int64_t pbytes = panel_bytes(D::kMethod, group, K);
   const int64_t bf16_panel_bytes = panel_bytes(Method::kBf16, kKAlign, K);
   const int run =

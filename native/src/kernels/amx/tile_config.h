@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "../avx512/lanes.h"
 #include "kt/aligned_vector.h"
 #include "kt/kernels.h"
 #include "kt/thread_scratch.h"
@@ -23,6 +24,10 @@
 #endif
 
 namespace kt::kernels::KT_AMX_NAMESPACE {
+
+// The AVX-512 lanes as a type of this family's own: a decoder's scales instantiated here are then
+// never the same function as the AVX-512 files' (built with other flags).
+struct Lanes : avx512::Lanes {};
 
 struct alignas(64) TileConfig {
   uint8_t palette_id;

@@ -10,7 +10,7 @@ namespace kt::kernels::avx2 {
 
 // 8 e4m3 bytes as fp32, exactly (NaN codes are refused at load): normal codes move their exponent
 // and mantissa bits into place, subnormal ones (exponent 0) are mantissa * 2^-9.
-inline __m256 e4m3_to_ps(__m128i bytes) {
+__attribute__((always_inline)) inline __m256 e4m3_to_ps(__m128i bytes) {
   const __m256i b = _mm256_cvtepu8_epi32(bytes);
   const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 24);
   const __m256i mag = _mm256_and_si256(b, _mm256_set1_epi32(0x7f));
@@ -25,21 +25,25 @@ inline __m256 e4m3_to_ps(__m128i bytes) {
 struct Lanes {
   using F = __m256;
   static constexpr int kCount = 8;
-  static F fp16(const uint8_t* p) { return _mm256_cvtph_ps(load16(p)); }
-  static F bf16(const uint8_t* p) {
+  __attribute__((always_inline)) static F fp16(const uint8_t* p) { return _mm256_cvtph_ps(load16(p)); }
+  __attribute__((always_inline)) static F bf16(const uint8_t* p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(load16(p)), 16));
   }
-  static F e8m0(const uint8_t* p) {  // 2^(e - 127): e in the exponent field
+  __attribute__((always_inline)) static F e8m0(const uint8_t* p) {  // 2^(e - 127): e in the exponent field
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu8_epi32(load8(p)), 23));
   }
-  static F e4m3(const uint8_t* p) { return e4m3_to_ps(load8(p)); }
-  static F set1(float x) { return _mm256_set1_ps(x); }
-  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
-  static F zero() { return _mm256_setzero_ps(); }
+  __attribute__((always_inline)) static F e4m3(const uint8_t* p) { return e4m3_to_ps(load8(p)); }
+  __attribute__((always_inline)) static F set1(float x) { return _mm256_set1_ps(x); }
+  __attribute__((always_inline)) static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  __attribute__((always_inline)) static F zero() { return _mm256_setzero_ps(); }
 
  private:
-  static __m128i load16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
-  static __m128i load8(const uint8_t* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); }
+  __attribute__((always_inline)) static __m128i load16(const uint8_t* p) {
+    return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  }
+  __attribute__((always_inline)) static __m128i load8(const uint8_t* p) {
+    return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  }
 };
 
 }  // namespace kt::kernels::avx2

@@ -92,8 +92,8 @@ inline void gemm_quant_tile(int64_t K, const QuantRows& a, int i0, const uint8_t
 }
 
 template <class D>
-void gemm_quant(int m, int64_t K, int group, const QuantRows& a, const uint8_t* panels, int npanels, float* c,
-                int64_t ldc) {
+void gemm_q8(int m, int64_t K, int group, const QuantRows& a, const uint8_t* panels, int npanels, float* c,
+             int64_t ldc) {
   static_assert(!kLookupNibbles<D>, "looked-up nibbles have no int8-input kernel");
   const int64_t stride = panel_bytes(D::kMethod, group, K);
   with_group(group, [&](auto group_size) {

@@ -117,8 +117,8 @@ inline void gemm_a16_tile(int64_t K, const Int16Rows& a, int i0, const uint8_t* 
 }
 
 template <class D>
-void gemm_quant_a16(int m, int64_t K, int group, const Bf16Rows& a, const uint8_t* panels, int npanels,
-                    float* c, int64_t ldc) {
+void gemm_a16(int m, int64_t K, int group, const Bf16Rows& a, const uint8_t* panels, int npanels, float* c,
+              int64_t ldc) {
   thread_local Int16Rows rows;
   quantize_int16_rows(rows, a, m, K, group);
   const int64_t stride = panel_bytes(D::kMethod, group, K);

@@ -1,5 +1,6 @@
-// Prefill for the nibble methods that read bf16 activations (RAWINT4, GPTQ_INT4, MXFP4, NVFP4), for
-// experts of more rows than a pass of the A16 kernel serves. The int16 passes (qgemm_a16-inl.h) do
+// The A16 GEMM of every decoded method (gemm_a16 below), and the prefill of the nibble methods that
+// read bf16 activations (RAWINT4, GPTQ_INT4, MXFP4, NVFP4) for experts of more rows than a pass of
+// the A16 kernel serves. The int16 passes (qgemm_a16-inl.h) do
 // half the work per instruction of the int8 tiles and an epilogue per group for each pass of 4 rows;
 // here the codes are decoded to bf16 once per call, exactly, and read by bf16 tiles:
 // - MXFP4, NVFP4: e2m1 value times its block scale (at most 6 significant bits) for the whole K of
@@ -108,18 +109,21 @@ void gemm_int4_decoded(int m, int64_t K, int group, const Bf16Rows& a, const uin
   });
 }
 
-// The A16 GEMM of the bf16-activation nibble methods: int16 passes for a few rows, decoded tiles for
-// more (on CPUs with AVX-512 BF16).
+// The A16 GEMM of every decoded method: the int16 passes, and for the nibble methods that read
+// bf16 activations only, the decoded tiles from kDecodedMinRows rows (on CPUs with AVX-512 BF16).
 template <class D>
-void gemm_nibbles_a16(int m, int64_t K, int group, const Bf16Rows& a, const uint8_t* panels, int npanels,
-                      float* c, int64_t ldc) {
-  static_assert(kNibbles<D> && method_traits(D::kMethod).gate_up_input == Activation::kBf16);
-  static const bool has_bf16 = cpu_features().avx512_bf16;
-  if (m < kDecodedMinRows || !has_bf16) return gemm_quant_a16<D>(m, K, group, a, panels, npanels, c, ldc);
-  if constexpr (kLookupNibbles<D>)
-    gemm_fp4_decoded<D>(m, K, group, a, panels, npanels, c, ldc);
-  else
-    gemm_int4_decoded<D>(m, K, group, a, panels, npanels, c, ldc);
+void gemm_a16(int m, int64_t K, int group, const Bf16Rows& a, const uint8_t* panels, int npanels, float* c,
+              int64_t ldc) {
+  if constexpr (!kNibbles<D> || method_traits(D::kMethod).gate_up_input != Activation::kBf16) {
+    gemm_quant_a16<D>(m, K, group, a, panels, npanels, c, ldc);
+  } else {
+    static const bool has_bf16 = cpu_features().avx512_bf16;
+    if (m < kDecodedMinRows || !has_bf16) return gemm_quant_a16<D>(m, K, group, a, panels, npanels, c, ldc);
+    if constexpr (kLookupNibbles<D>)
+      gemm_fp4_decoded<D>(m, K, group, a, panels, npanels, c, ldc);
+    else
+      gemm_int4_decoded<D>(m, K, group, a, panels, npanels, c, ldc);
+  }
 }
 
 }  // namespace kt::kernels::avx512

@@ -83,7 +83,7 @@ inline void gemm_quant_rows(int64_t K, const QuantRows& a, int i0, const uint8_t
 // C[i0 + i][16 (p0 + p) + j] for a tile of kRows x kPanels, all of its int32 group sums in
 // registers. The fp32 sums live in C itself (written after the first group, then read and added):
 // with the int32 sums they would not fit in 32 registers, and they move once per group. Never inlined:
-// inlined into gemm_quant, the tile's code followed GCC's choices for the whole dispatcher, and a
+// inlined into gemm_q8, the tile's code followed GCC's choices for the whole dispatcher, and a
 // change to the decode loop alone made INT4 prefill 20-25% slower (Qwen3, 512 tokens); one call
 // per tile costs nothing next to its loop over K.
 template <class D, int kGroup, int kRows, int kPanels>
@@ -151,8 +151,8 @@ __attribute__((noinline)) void gemm_quant_tile(int64_t K, const QuantRows& a, in
 inline constexpr int kMaxRowBlockRows = 8;
 
 template <class D>
-void gemm_quant(int m, int64_t K, int group, const QuantRows& a, const uint8_t* panels, int npanels, float* c,
-                int64_t ldc) {
+void gemm_q8(int m, int64_t K, int group, const QuantRows& a, const uint8_t* panels, int npanels, float* c,
+             int64_t ldc) {
   static_assert(!kLookupNibbles<D>, "looked-up nibbles have no int8-input kernel");
   const int64_t stride = panel_bytes(D::kMethod, group, K);
   with_group(group, [&](auto group_size) {

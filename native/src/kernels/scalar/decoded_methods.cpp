@@ -1,4 +1,4 @@
-// The portable GEMMs of the decoded methods (../../methods/decoders.h), one instance per decoder.
+// The portable GEMMs of every decoded method (../../methods/decoders.h), one instance each.
 #include <cstdint>
 
 #include "../../methods/decoders.h"
@@ -7,26 +7,7 @@
 
 namespace kt::kernels::scalar {
 
-template <class D>
-void gemm_q8(int m, int64_t K, int group, const QuantRows& a, const uint8_t* panels, int npanels, float* c,
-             int64_t ldc) {
-  gemm_quant<D>(m, K, group, a, panels, npanels, c, ldc);
-}
-
-template <class D>
-void gemm_a16(int m, int64_t K, int group, const Bf16Rows& a, const uint8_t* panels, int npanels, float* c,
-              int64_t ldc) {
-  gemm_quant_a16<D>(m, K, group, a, panels, npanels, c, ldc);
-}
-
-#define KT_INSTANTIATE_Q8(D)                                                                           \
-  template void gemm_q8<D>(int, int64_t, int, const QuantRows&, const uint8_t*, int, float*, int64_t); \
-  template void gemm_a16<D>(int, int64_t, int, const Bf16Rows&, const uint8_t*, int, float*, int64_t);
-#define KT_INSTANTIATE_A16(D) \
-  template void gemm_a16<D>(int, int64_t, int, const Bf16Rows&, const uint8_t*, int, float*, int64_t);
 KT_Q8_DECODERS(KT_INSTANTIATE_Q8)
 KT_A16_DECODERS(KT_INSTANTIATE_A16)
-#undef KT_INSTANTIATE_Q8
-#undef KT_INSTANTIATE_A16
 
 }  // namespace kt::kernels::scalar

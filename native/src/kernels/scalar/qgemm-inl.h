@@ -11,8 +11,8 @@
 namespace kt::kernels::scalar {
 
 template <class D>
-void gemm_quant(int m, int64_t K, int group, const QuantRows& a, const uint8_t* panels, int npanels, float* c,
-                int64_t ldc) {
+void gemm_q8(int m, int64_t K, int group, const QuantRows& a, const uint8_t* panels, int npanels, float* c,
+             int64_t ldc) {
   static_assert(!kLookupNibbles<D>, "looked-up nibbles have no int8-input kernel");
   const int64_t pbytes = panel_bytes(D::kMethod, group, K);
   const int64_t gbytes = group_bytes(D::kMethod, group);

@@ -13,8 +13,8 @@ namespace kt::kernels::scalar {
 // Quantized weights, bf16 activations: per group, ws * sum(h * q) (+ wm * sum(h) for nibbles), with
 // INT8's q = u - 128 taken signed so that nothing cancels.
 template <class D>
-void gemm_quant_a16(int m, int64_t K, int group, const Bf16Rows& a, const uint8_t* panels, int npanels,
-                    float* c, int64_t ldc) {
+void gemm_a16(int m, int64_t K, int group, const Bf16Rows& a, const uint8_t* panels, int npanels, float* c,
+              int64_t ldc) {
   const int64_t pbytes = panel_bytes(D::kMethod, group, K);
   const int64_t gbytes = group_bytes(D::kMethod, group);
   const int64_t wbytes = group_weight_bytes(D::kMethod, group);
