@@ -9,9 +9,10 @@ from conftest import AMX_ISAS, isa_params, make_hidden, make_routing, make_weigh
 
 from kt_sglang.engine import KTMoEWrapper, SharedRunner
 from kt_sglang.engine.canonical import dequantize, quantize, random_experts
+from kt_sglang.engine.config import parse_sft_method
 from kt_sglang.engine.methods import METHODS, Method
 from kt_sglang.engine.reference import relative_error
-from kt_sglang.engine.sft import LORA_TENSORS, SFTMoEWrapper, parse_sft_method
+from kt_sglang.engine.sft import LORA_TENSORS, SFTMoEWrapper
 
 ALL_METHODS = [m.value for m in Method]
 GRAD_BOUND = 1e-2

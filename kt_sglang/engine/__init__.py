@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 from kt_sglang.engine.activation import Glu
+from kt_sglang.engine.config import MoEConfig, SFTConfig
+from kt_sglang.engine.inference import InferenceMoEWrapper
 from kt_sglang.engine.methods import METHODS, Method, parse_method
 from kt_sglang.engine.pools import PoolLayout, SharedRunner, plan_pools, selected_isa
+from kt_sglang.engine.sft import SFTMoEWrapper
 from kt_sglang.engine.wrapper import KTMoEWrapper
-
-# KTMoEWrapper(mode="sft") builds the fine-tuning layer, which registers itself on import.
-from kt_sglang.engine import sft  # noqa: E402, F401  isort: skip
 
 __all__ = [
     "Glu",
+    "InferenceMoEWrapper",
     "KTMoEWrapper",
     "METHODS",
     "Method",
+    "MoEConfig",
     "PoolLayout",
+    "SFTConfig",
+    "SFTMoEWrapper",
     "SharedRunner",
     "parse_method",
     "plan_pools",

@@ -1,10 +1,11 @@
 """Fine-tuning mode: LoRA adapters on one MoE layer's CPU experts, forward and backward.
 
 ``KTMoEWrapper(..., mode="sft", method="AMXBF16_SFT", lora_rank=16, lora_alpha=32.0)`` builds a
-:class:`SFTMoEWrapper` (kt-kernel's constructor). The frozen experts are packed in any inference
-method (kt-kernel's ``*_SFT`` names map onto ours: :data:`SFT_METHODS`); per expert and projection
-the layer computes ``W x + (alpha / r) * B (A x)``. The adapters and their gradients are caller-owned
-CPU tensors (``init_lora_weights``); ``backward`` adds to the gradients, as torch adds to ``.grad``.
+:class:`SFTMoEWrapper` from an `SFTConfig` (kt-kernel's constructor). The frozen experts are packed in
+any inference method (kt-kernel's ``*_SFT`` names map onto ours: ``config.SFT_METHODS``); per expert
+and projection the layer computes ``W x + (alpha / r) * B (A x)``. The adapters and their gradients
+are caller-owned CPU tensors (``init_lora_weights``); ``backward`` adds to the gradients, as torch adds
+to ``.grad``.
 """
 
 from __future__ import annotations
@@ -14,25 +15,9 @@ from collections import deque
 
 import torch
 
-from kt_sglang.engine.activation import SILU, Glu
+from kt_sglang.engine.base import BaseMoEWrapper, contiguous_as
+from kt_sglang.engine.config import SFTConfig
 from kt_sglang.engine.native import _native
-from kt_sglang.engine.wrapper import KTMoEWrapper, _contiguous
-
-# kt-kernel's SFT method names -> our inference method of the frozen weights. Each also takes a
-# "_SkipLoRA" suffix (the backward computes the input and routing-weight gradients only).
-SFT_METHODS = {
-    "AMXBF16_SFT": "BF16",
-    "AMXINT8_SFT": "AMXINT8",
-    "INT8_SFT": "AMXINT8",
-    "AMXINT4_SFT": "AMXINT4",
-    "AMXINT4_1_SFT": "AMXINT4",
-    "AMXINT4_KGroup_SFT": "AMXINT4",
-    "AMXINT4_1KGroup_SFT": "AMXINT4",
-    "RAWINT4_SFT": "RAWINT4",
-    "AMXFP8_SFT": "FP8",
-    "MXFP4_SFT": "MXFP4",
-}
-SKIP_LORA_SUFFIX = "_SkipLoRA"
 
 # The adapters in kt-kernel's order: (name, rows, cols) with H hidden, I intermediate, r rank.
 LORA_TENSORS = (
@@ -44,14 +29,6 @@ LORA_TENSORS = (
     ("down_lora_b", "H", "r"),
 )
 _LORA_DTYPES = {torch.float32: _native.DType.float32, torch.bfloat16: _native.DType.bfloat16}
-
-
-def parse_sft_method(method: str) -> tuple[str, bool]:
-    """An SFT method name -> (inference method of the frozen weights, skip_lora). Our inference
-    names (``BF16``, ``AMXINT8``, ...) are taken as they are."""
-    skip = method.endswith(SKIP_LORA_SUFFIX)
-    base = method[: -len(SKIP_LORA_SUFFIX)] if skip else method
-    return SFT_METHODS.get(base, base), skip
 
 
 class SavedForward:
@@ -69,70 +46,17 @@ class SavedForward:
         return self.native.nbytes if self.native is not None else 0
 
 
-class SFTMoEWrapper(KTMoEWrapper):
+class SFTMoEWrapper(BaseMoEWrapper):
     """The CPU experts of one MoE layer with LoRA adapters, trainable.
 
     Weights load as in inference (``load_weights``, ``load_weights_from_tensors``,
-    ``load_canonical``). ``max_cache_depth`` bounds how many forwards may wait for their backward;
-    ``lora_dropout`` must be 0 (dropout belongs to the caller's module), ``num_gpu_experts`` must
-    be 0 (every expert is trained here).
+    ``load_canonical``). The forward and backward are this layer's own: a forward keeps what its
+    backward reads (``SavedForward``), at most ``max_cache_depth`` of them waiting.
     """
 
-    def __init__(
-        self,
-        layer_idx: int,
-        num_experts: int,
-        num_experts_per_tok: int,
-        hidden_size: int,
-        moe_intermediate_size: int,
-        gpu_experts_mask: torch.Tensor | None = None,
-        cpuinfer_threads: int = 1,
-        threadpool_count: int = 1,
-        weight_path: str | None = None,
-        chunked_prefill_size: int = 4096,
-        cpu_save: bool = False,
-        max_deferred_experts_per_token: int | None = None,
-        method: str = "AMXBF16_SFT",
-        numa_nodes: list[int] | None = None,
-        mode: str = "sft",
-        num_gpu_experts: int = 0,
-        lora_rank: int = 16,
-        lora_alpha: float = 32.0,
-        lora_dropout: float = 0.0,
-        max_cache_depth: int = 1,
-        group_size: int | None = None,
-        zero_point: bool = True,
-        isa: str | None = None,
-        activation: Glu = SILU,
-    ) -> None:
-        if mode != "sft":
-            raise ValueError(f"SFTMoEWrapper is the mode='sft' layer, got mode={mode!r}")
-        inference_method, skip_lora = parse_sft_method(method)
-        if not isinstance(lora_rank, int) or not 1 <= lora_rank <= min(hidden_size, moe_intermediate_size):
-            raise ValueError(
-                f"lora_rank={lora_rank!r} must be an integer in 1..{min(hidden_size, moe_intermediate_size)} "
-                "(at most the smaller of hidden_size and moe_intermediate_size)"
-            )
-        if lora_dropout != 0.0:
-            raise ValueError("lora_dropout must be 0: apply dropout to the hidden states in your module")
-        if num_gpu_experts != 0:
-            raise ValueError("num_gpu_experts must be 0: every expert of an SFT layer is trained on the CPU")
-        if not isinstance(max_cache_depth, int) or max_cache_depth < 1:
-            raise ValueError(f"max_cache_depth must be a positive integer, got {max_cache_depth!r}")
-        if activation != SILU:
-            raise ValueError("fine-tuning supports the SiLU-gated experts (silu(gate) * up) only")
-        super().__init__(
-            layer_idx, num_experts, num_experts_per_tok, hidden_size, moe_intermediate_size,
-            gpu_experts_mask, cpuinfer_threads, threadpool_count, weight_path, chunked_prefill_size,
-            cpu_save, max_deferred_experts_per_token, inference_method, numa_nodes,
-            group_size=group_size, isa=isa, activation=activation,
-        )  # fmt: skip
-        self.sft_method = method
-        self.skip_lora = skip_lora
-        self.lora_rank = lora_rank
-        self.lora_alpha = float(lora_alpha)
-        self.max_cache_depth = max_cache_depth
-        self._sft = _native.SftMoe(self._layer, lora_rank, self.lora_alpha, skip_lora)
+    def __init__(self, config: SFTConfig) -> None:
+        super().__init__(config)
+        self._sft = _native.SftMoe(self._layer, config.lora_rank, config.lora_alpha, config.skip_lora)
         self._lora: tuple[torch.Tensor, ...] | None = None
         self._grads: tuple[torch.Tensor, ...] | None = None
         self._live: weakref.WeakSet[SavedForward] = weakref.WeakSet()
@@ -140,6 +64,13 @@ class SFTMoEWrapper(KTMoEWrapper):
         self._spare: list[_native.SftSaved] = []  # buffers of finished backwards, reused (no page faults)
         self._pending_forward: tuple | None = None  # (task, output, saved, inputs kept alive)
         self._pending_backward: tuple | None = None  # (task, grad_in, grad_weights, inputs kept alive)
+
+    # The fine-tuning configuration's fields, as kt-kernel's SFT wrapper names them.
+    sft_method = property(lambda self: self.config.sft_method)
+    skip_lora = property(lambda self: self.config.skip_lora)
+    lora_rank = property(lambda self: self.config.lora_rank)
+    lora_alpha = property(lambda self: self.config.lora_alpha)
+    max_cache_depth = property(lambda self: self.config.max_cache_depth)
 
     # ----------------------------------------------------------------------------------------
     # Adapters
@@ -231,9 +162,9 @@ class SFTMoEWrapper(KTMoEWrapper):
                 f"{self.cache_depth} forwards already wait for their backward (max_cache_depth="
                 f"{self.max_cache_depth}); run their backward, clear_cache(), or raise max_cache_depth"
             )
-        x = _contiguous(hidden_states.detach().cpu(), torch.bfloat16)
-        ids = _contiguous(expert_ids.cpu(), expert_ids.dtype)
-        w = _contiguous(weights.detach().cpu(), torch.float32)
+        x = contiguous_as(hidden_states.detach().cpu(), torch.bfloat16)
+        ids = contiguous_as(expert_ids.cpu(), expert_ids.dtype)
+        w = contiguous_as(weights.detach().cpu(), torch.float32)
         out = torch.empty(T, self.hidden_size, dtype=torch.bfloat16)
         saved = None
         if save_for_backward:
@@ -300,7 +231,7 @@ class SFTMoEWrapper(KTMoEWrapper):
             for t in self._grads:  # the engine adds into these
                 if t.device.type != "cpu":
                     raise RuntimeError("the LoRA gradients moved off the CPU; call init_lora_weights again")
-        dy = _contiguous(grad_output.detach().cpu(), torch.bfloat16)
+        dy = contiguous_as(grad_output.detach().cpu(), torch.bfloat16)
         grad_in = torch.empty(T, self.hidden_size, dtype=torch.float32)
         grad_w = torch.empty(T, self.num_experts_per_tok, dtype=torch.float32)
         task = self._sft.submit_backward(saved.native, dy.data_ptr(), grad_in.data_ptr(), grad_w.data_ptr())
@@ -341,8 +272,6 @@ class SFTMoEWrapper(KTMoEWrapper):
         self._queue.clear()
 
     def drain(self) -> None:
+        """Waits until every forward and backward this layer submitted has finished."""
         self._sft.drain()
         super().drain()
-
-
-KTMoEWrapper._modes["sft"] = SFTMoEWrapper

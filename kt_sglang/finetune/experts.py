@@ -14,6 +14,7 @@ import math
 
 import torch
 
+from kt_sglang.engine.config import SFTConfig
 from kt_sglang.engine.sft import LORA_TENSORS, SavedForward, SFTMoEWrapper
 
 
@@ -72,11 +73,12 @@ class LoRAExperts(torch.nn.Module):
         seed: int | None = None,
     ) -> None:
         super().__init__()
-        self.wrapper = SFTMoEWrapper(
+        config = SFTConfig(
             layer_idx, num_experts, top_k, hidden_size, intermediate_size, None, threads, threadpool_count,
             weight_path, method=method, lora_rank=rank, lora_alpha=alpha, max_cache_depth=max_cache_depth,
             group_size=group_size,
         )  # fmt: skip
+        self.wrapper = SFTMoEWrapper(config)
         if weights is not None:
             gate, up, down = (w.detach().cpu().contiguous() for w in weights)
             self.wrapper.load_weights_from_tensors(gate, up, down)

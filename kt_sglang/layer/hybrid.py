@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from kt_sglang.engine.wrapper import KTMoEWrapper
+from kt_sglang.engine.inference import InferenceMoEWrapper
 from kt_sglang.kernels import hot_moe, split_routing
 
 # hidden [T, H], slot_ids [T, k] (GPU slot of each hot selection, -1 elsewhere), weights [T, k]
@@ -74,7 +74,7 @@ class HybridMoELayer(torch.nn.Module):
 
     def __init__(
         self,
-        experts: KTMoEWrapper,
+        experts: InferenceMoEWrapper,
         gpu_slot_of: torch.Tensor,
         w13: torch.Tensor,
         w2: torch.Tensor,

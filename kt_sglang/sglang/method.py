@@ -16,6 +16,7 @@ import torch
 from sglang.srt.layers.quantization.base_config import FusedMoEMethodBase
 
 from kt_sglang.engine.activation import SILU, Glu
+from kt_sglang.engine.inference import InferenceMoEWrapper
 from kt_sglang.engine.wrapper import KTMoEWrapper
 from kt_sglang.layer.hybrid import DEFERRAL_MAX_TOKENS, DeferralChain, HotExperts, HybridMoELayer
 from kt_sglang.placement import PlacementStats, StatsRecorder, plan_hot_experts, slot_map
@@ -93,7 +94,7 @@ class KTEPWrapperMethod(FusedMoEMethodBase):
         self.settings = settings_for(kt_config)
         self.layer_idx = kt_config.layer_idx
         self.tp_rank = get_parallel().tp_rank
-        self.wrapper: KTMoEWrapper | None = None
+        self.wrapper: InferenceMoEWrapper | None = None
         self.hybrid: HybridMoELayer | None = None
         self.hot_experts: list[int] = []
         self.gpu_slot_of: torch.Tensor | None = None
