@@ -158,27 +158,27 @@ def test_fp8_checkpoint_loads_as_is(checkpoints, style, isa):
         mats[proj] = []
         for e in range(E):
             name = QWEN[proj].format(layer=1, expert=e)
-            scale = ckpt.tensor(name + suffix).float()
+            scale = ckpt.source.tensor(name + suffix).float()
             scale = scale if kind == "block" else scale.reshape(-1)
-            mats[proj].append(CanonicalMatrix(ckpt.tensor(name), scale))
+            mats[proj].append(CanonicalMatrix(ckpt.source.tensor(name), scale))
     direct = layer(path, method, isa=isa)
     direct.load_canonical(mats["gate"], mats["up"], mats["down"])
     assert torch.equal(direct.forward(x, ids, wts), out)
 
 
 @pytest.mark.parametrize("style", list(STYLES))
-def test_layer_fp8_experts_changes_no_value(checkpoints, style):
+def test_native_fp8_experts_change_no_value(checkpoints, style):
     path, _ = checkpoints[style]
     kind, suffix, _ = STYLES[style]
     ckpt = Checkpoint(path)
     experts = [6, 1, 3]
-    gate, up, down = ckpt.layer_fp8_experts(0, experts, Method(method_for(style)))
-    streamed = list(ckpt.iter_fp8_experts(0, Method(method_for(style))))
+    gate, up, down = ckpt.layer_native_experts(0, experts, Method(method_for(style)))
+    streamed = list(ckpt.iter_native_experts(0, Method(method_for(style))))
     assert len(gate) == len(up) == len(down) == 3 and len(streamed) == E
     for proj, mats in (("gate", gate), ("up", up), ("down", down)):
         for e, m in zip(experts, mats, strict=True):
             name = QWEN[proj].format(layer=0, expert=e)
-            stored_w, stored_s = ckpt.tensor(name), ckpt.tensor(name + suffix)
+            stored_w, stored_s = ckpt.source.tensor(name), ckpt.source.tensor(name + suffix)
             assert m.weight.dtype == torch.float8_e4m3fn and m.scales.dtype == torch.float32
             assert torch.equal(m.weight.view(torch.uint8), stored_w.view(torch.uint8))
             assert torch.equal(m.scales, stored_s.float().reshape(m.scales.shape))  # bf16 -> fp32 is exact
@@ -396,7 +396,7 @@ def test_convert_fp8_keeps_the_checkpoint_values(tmp_path, checkpoints, style):
                     name = QWEN[proj].format(layer=layer_idx, expert=e)
                     weight = f.get_tensor(f"experts.{e}.{proj}.weight")
                     scales = f.get_tensor(f"experts.{e}.{proj}.scales")
-                    stored_w, stored_s = ckpt.tensor(name), ckpt.tensor(name + suffix)
+                    stored_w, stored_s = ckpt.source.tensor(name), ckpt.source.tensor(name + suffix)
                     assert weight.dtype == torch.float8_e4m3fn and scales.dtype == torch.float32
                     as_bytes = weight.view(torch.uint8).numpy().tobytes()
                     assert as_bytes == stored_w.view(torch.uint8).numpy().tobytes()

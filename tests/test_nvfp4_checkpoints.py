@@ -77,11 +77,10 @@ def run(path: Path, method: str, weights, isa=None):
 
 def test_format_group_is_the_methods():
     from kt_sglang.engine.methods import METHODS, method_for_format
-    from kt_sglang.weights import mxfp4_checkpoint, nvfp4_checkpoint
+    from kt_sglang.weights.formats import mxfp4, nvfp4
 
-    for module in (nvfp4_checkpoint, mxfp4_checkpoint):
-        group = getattr(module, "GROUP", getattr(module, "BLOCK", None))
-        assert METHODS[method_for_format(module.FORMAT)].allowed_groups == (group,)
+    for fmt in (nvfp4.NVFP4, mxfp4.MXFP4, mxfp4.FUSED_MXFP4):
+        assert METHODS[method_for_format(fmt.name)].allowed_groups == (fmt.group,)
 
 
 @pytest.mark.parametrize("isa", isa_params())

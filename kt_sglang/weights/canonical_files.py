@@ -31,7 +31,7 @@ from safetensors.torch import save_file
 
 from kt_sglang.engine.canonical import CanonicalMatrix, canonical_layout
 from kt_sglang.engine.methods import Method
-from kt_sglang.weights.checkpoint import CANONICAL_FORMAT as FORMAT
+from kt_sglang.weights.source import CANONICAL_FORMAT as FORMAT
 from kt_sglang.weights.source import open_safetensors
 
 VERSION = 1

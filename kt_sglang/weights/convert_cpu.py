@@ -19,13 +19,11 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import torch
 from tqdm import tqdm
 
 from kt_sglang.engine.activation import SILU
 from kt_sglang.engine.canonical import quantize
 from kt_sglang.engine.methods import METHODS, Method, method_names, parse_method, resolve_group
-from kt_sglang.weights import int4_checkpoint
 from kt_sglang.weights.canonical_files import (
     INDEX,
     MANIFEST,
@@ -42,11 +40,10 @@ from kt_sglang.weights.canonical_files import (
 )
 from kt_sglang.weights.checkpoint import Checkpoint, CheckpointError
 
-# --input-type: the experts' stored form. "int4" is either INT4 format (compressed-tensors
-# pack-quantized, GPTQ), "fp4" MXFP4 or NVFP4, told apart by the tensors' names and dtypes.
+# --input-type: the experts' stored form, as each format names it (ExpertFormat.kt_input_type). "int4"
+# is either INT4 format (compressed-tensors pack-quantized, GPTQ), "fp4" MXFP4 or NVFP4, told apart
+# by the tensors' names and dtypes.
 INPUT_TYPES = ("bf16", "fp16", "fp8", "int4", "fp4")
-_DENSE_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
-_FORMAT_TYPES = {"fp8": "fp8", "pack-quantized": "int4", "gptq": "int4", "mxfp4": "fp4", "nvfp4": "fp4"}
 
 
 def _method_arg(name: str) -> Method:
@@ -163,8 +160,8 @@ def convert(args: argparse.Namespace) -> Path:
     first = spec.moe_layers[0] if spec.moe_layers else None
     if first is None:
         raise CheckpointError(f"{args.input_path} has no MoE layers")
-    fmt = ckpt.expert_format(first)
-    found = _FORMAT_TYPES.get(fmt) or _DENSE_TYPES.get(ckpt.expert_dtype(first))
+    fmt = ckpt.layer_format(first)
+    found = fmt.kt_input_type(ckpt, first)
     if found is None:
         raise CheckpointError(
             f"{args.input_path}: experts are {dtype_name(ckpt.expert_dtype(first))}, "
@@ -183,17 +180,18 @@ def convert(args: argparse.Namespace) -> Path:
             f"{ckpt.activation()}, which converted directories do not record; serve the checkpoint "
             "itself (--kt-weight-path <its directory>)"
         )
-    as_is = METHODS[method].checkpoint_format == fmt
-    if as_is and fmt in int4_checkpoint.FORMATS and args.group_size is None:
-        args.group_size = ckpt.int4_group(first, method)
+    as_is = METHODS[method].checkpoint_format == fmt.name
+    stated = ckpt.stated_group(first) if as_is else None  # INT4: the group the config states
+    if args.group_size is None:
+        args.group_size = stated
     group = resolve_group(method, args.group_size)
     if as_is or not METHODS[method].quantizes_dense:
         # names, dtypes, scales, block or group size: fail before writing
         mats = ckpt.layer_native_experts(first, [0], method)
-        if fmt in int4_checkpoint.FORMATS and ckpt.int4_group(first, method) != group:
+        if stated is not None and stated != group:
             raise CheckpointError(
                 f"--group-size {group} does not match the checkpoint's group size "
-                f"{ckpt.int4_group(first, method)} ({method.value} keeps the checkpoint's values)"
+                f"{stated} ({method.value} keeps the checkpoint's values)"
             )
         del mats
     layers = list(spec.moe_layers)

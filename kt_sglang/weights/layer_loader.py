@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING
 
 from kt_sglang.engine.activation import SILU, Glu
 from kt_sglang.engine.methods import METHODS
+from kt_sglang.weights import formats
 from kt_sglang.weights.canonical_files import MANIFEST, Manifest, is_canonical_dir, read_layer
 from kt_sglang.weights.checkpoint import open_checkpoint
-from kt_sglang.weights.int4_checkpoint import FORMATS as INT4_FORMATS
 from kt_sglang.weights.source import CheckpointError
 
 if TYPE_CHECKING:
@@ -95,13 +95,14 @@ def _load_hf_checkpoint(layer: KTMoEWrapper, physical_to_logical_map) -> None:
                 "expert adapter is merged into dense weights before quantizing: use a method the "
                 "engine quantizes to"
             )
-        if fmt == info.checkpoint_format and fmt in INT4_FORMATS:  # else: the reader names the format
-            found = ckpt.int4_group(layer.layer_idx, layer.method)
-            if found != layer.group_size:
-                raise CheckpointError(
-                    f"{ckpt.path}: its experts are quantized in groups of {found}; this layer was "
-                    f"built with group_size={layer.group_size} (leave it unset to take the checkpoint's)"
-                )
+        # INT4: the group the checkpoint's config states (a format the method does not read is named
+        # by layer_native_experts)
+        found = ckpt.stated_group(layer.layer_idx) if fmt == info.checkpoint_format else None
+        if found is not None and found != layer.group_size:
+            raise CheckpointError(
+                f"{ckpt.path}: its experts are quantized in groups of {found}; this layer was "
+                f"built with group_size={layer.group_size} (leave it unset to take the checkpoint's)"
+            )
         _load_read(layer, ckpt.layer_native_experts(layer.layer_idx, needed, layer.method), positions)
     elif in_layer and not needed:  # every expert on the GPU: nothing to read
         _load_read(layer, ([], [], []), positions)
@@ -167,16 +168,17 @@ def checkpoint_activation(weight_path: str) -> Glu:
 
 
 def recorded_group(weight_path: str, method) -> int | None:
-    """The group a converted directory was written with, or an INT4 checkpoint's config states for
-    the method that reads it as is (None: neither)."""
+    """The group a converted directory was written with, or a checkpoint's config states for the
+    method that reads it as is (INT4 formats; None: neither)."""
 
     if is_canonical_dir(weight_path):
         manifest = Manifest.read(weight_path)
         return manifest.group_size if manifest.method == method.value else None
 
-    fmt = METHODS[method].checkpoint_format
-    if fmt not in INT4_FORMATS or not (Path(weight_path) / "config.json").is_file():
+    info = METHODS[method]
+    states = any(f.states_group for f in formats.serving(info))
+    if not states or not (Path(weight_path) / "config.json").is_file():
         return None
     ckpt = open_checkpoint(weight_path)
-    layers = [layer for layer in ckpt.spec.moe_layers if ckpt.expert_format(layer) == fmt]
-    return ckpt.int4_group(layers[0], method) if layers else None
+    layers = [layer for layer in ckpt.spec.moe_layers if ckpt.expert_format(layer) == info.checkpoint_format]
+    return ckpt.stated_group(layers[0]) if layers else None
