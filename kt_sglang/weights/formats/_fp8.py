@@ -6,6 +6,7 @@ read unchanged in value (bf16/fp16 become the same fp32 numbers).
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from typing import TYPE_CHECKING
 
 import torch
@@ -86,17 +87,17 @@ class Fp8Format(PerExpertFormat):
     def check_config(self, ckpt: Checkpoint, method: Method, block: int) -> None:
         """Refuses a config whose scales the method does not read as they are."""
 
+    @abstractmethod
     def layout(self, scale: torch.Tensor, N: int, K: int, block: tuple[int, int]) -> torch.Tensor | None:
         """The scales as fp32 in this kind's layout; None when their shape is not this kind's."""
-        raise NotImplementedError
 
+    @abstractmethod
     def expected(self, N: int, K: int, block: tuple[int, int]) -> str:
         """This kind's shape of the scales of a ``[N, K]`` weight, and what one scale covers."""
-        raise NotImplementedError
 
+    @abstractmethod
     def expand(self, scales: torch.Tensor, N: int, K: int, block: tuple[int, int]) -> torch.Tensor:
         """One scale per weight ``[N, K]``."""
-        raise NotImplementedError
 
     # what they share ----------------------------------------------------------------------------
 

@@ -7,6 +7,7 @@ whose size the checkpoint's config states. Each becomes its method's canonical t
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -40,16 +41,16 @@ class Int4Format(PerExpertFormat):
     states_group = True
     packed: str  # the name suffix of the packed weight tensor
 
+    @abstractmethod
     def scheme(self, ckpt: Checkpoint, module: str) -> Int4Scheme:
         """The checkpoint's quantization scheme for ``module`` (a linear's name), from its config;
         raises naming what does not fit the method."""
-        raise NotImplementedError
 
+    @abstractmethod
     def read_matrix(
         self, ckpt: Checkpoint, base: str, scheme: Int4Scheme, shape: tuple[int, int]
     ) -> CanonicalMatrix:
         """One linear ``[N, K]`` as the method's canonical tensors, values unchanged."""
-        raise NotImplementedError
 
     # --------------------------------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ the `Checkpoint` it is handed.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
 NativeRead = Callable[[str, tuple[int, int]], "CanonicalMatrix"]
 
 
-class ExpertFormat:
+class ExpertFormat(ABC):
     """One way checkpoints store a layer's experts.
 
     ``name`` is what ``MethodInfo.checkpoint_format`` calls the format ("dense" for bf16/fp16/fp32,
@@ -47,9 +48,9 @@ class ExpertFormat:
     def describe(self) -> str:
         return self.label or self.name
 
+    @abstractmethod
     def detect(self, ckpt: Checkpoint, layer: int) -> bool:
         """Whether the layer's experts are stored in this format."""
-        raise NotImplementedError
 
     def serves(self, info: MethodInfo) -> bool:
         """Whether the method takes this format's values as they are."""
@@ -67,9 +68,9 @@ class ExpertFormat:
             f"{' or '.join(fits) or 'a method that quantizes (' + quantizing + ')'}"
         )
 
+    @abstractmethod
     def stored_dtype(self, ckpt: Checkpoint, layer: int) -> torch.dtype:
         """The dtype the layer's expert weights are stored in (int32 for packed INT4)."""
-        raise NotImplementedError
 
     def kt_input_type(self, ckpt: Checkpoint, layer: int) -> str | None:
         return self.input_type
@@ -78,21 +79,22 @@ class ExpertFormat:
         """The group size the checkpoint's config states for the layer's experts (``states_group``)."""
         return None
 
+    @abstractmethod
     def values(self, ckpt: Checkpoint, layer: int, ids: list[int]) -> tuple:
         """gate, up ``[n, I, H]`` and down ``[n, H, I]`` of experts ``ids`` as values."""
-        raise NotImplementedError
 
+    @abstractmethod
     def iter_values(self, ckpt: Checkpoint, layer: int) -> Iterator[tuple]:
         """(gate, up, down) expert by expert."""
-        raise NotImplementedError
 
     def native(self, ckpt: Checkpoint, layer: int, ids: list[int], method: Method) -> tuple:
         """gate, up, down lists of canonical matrices of experts ``ids``, for ``method``, which takes
-        this format as it is; the format checks the config and the method's own requirements."""
-        raise NotImplementedError
+        this format as it is; the format checks the config and the method's own requirements. A
+        format that no method takes as it is (dense) refuses."""
+        raise self.refusal(ckpt, layer, method)
 
     def iter_native(self, ckpt: Checkpoint, layer: int, method: Method) -> Iterator[tuple]:
-        raise NotImplementedError
+        raise self.refusal(ckpt, layer, method)
 
     def biases(self, ckpt: Checkpoint, layer: int, ids: list[int]) -> tuple:
         """gate, up ``[n, I]`` and down ``[n, H]`` fp32 biases; None where the format has none."""
@@ -120,12 +122,14 @@ class PerExpertFormat(ExpertFormat):
         """The tensor holding the linear's weights."""
         return where
 
+    @abstractmethod
     def read_values(self, ckpt: Checkpoint, where: str, shape: tuple[int, int]) -> torch.Tensor:
-        raise NotImplementedError
+        """One linear ``[N, K]`` as values."""
 
     def native_reader(self, ckpt: Checkpoint, layer: int, method: Method) -> NativeRead:
-        """Checks the config for ``method`` once, and returns the reader of one linear."""
-        raise NotImplementedError
+        """Checks the config for ``method`` once, and returns the reader of one linear; a format that
+        no method takes as it is (dense) refuses."""
+        raise self.refusal(ckpt, layer, method)
 
     # --------------------------------------------------------------------------------------------
 
