@@ -11,6 +11,7 @@ from kt_sglang.engine import KTMoEWrapper, SharedRunner
 from kt_sglang.engine.canonical import dequantize, quantize, random_experts
 from kt_sglang.engine.config import parse_sft_method
 from kt_sglang.engine.methods import METHODS, Method
+from kt_sglang.engine.native import _native
 from kt_sglang.engine.reference import relative_error
 from kt_sglang.engine.sft import LORA_TENSORS, SFTMoEWrapper
 
@@ -123,6 +124,14 @@ def test_isa_paths_agree_with_the_scalar_twin(method, isa):
     bound = 6e-3 if isa in AMX_ISAS and method in ("AMXINT8", "AMXINT4") else 2e-3
     for name, a, b in zip(names, *results, strict=True):
         assert relative_error(b, a) < bound, (name, relative_error(b, a))
+
+
+@pytest.mark.parametrize("isa", isa_params())
+def test_fine_tuning_kernels_follow_the_path(isa):
+    """The adapters' loops, the tile transpose and the decoded methods' tile decode come from the ISA's
+    kernel table (kernels/<isa>/lora_ops.cpp); AMX adds nothing to them, so its table takes AVX-512's."""
+    expected = "avx512" if isa in AMX_ISAS else isa
+    assert _native.kernel_families(isa)["fine-tuning (adapters, transposed tiles)"] == expected
 
 
 # Odd shapes: hidden and intermediate not multiples of the blocks, many experts, top-8, skipped slots

@@ -177,6 +177,7 @@ PYBIND11_MODULE(_native, m) {
       if (k.gemm_q8) out[py::str(std::string(mt.name) + " (int8 input)")] = isa_name(k.isa_q8);
     }
     out["SiLU and weighted accumulation"] = isa_name(t.isa_vector);
+    out["fine-tuning (adapters, transposed tiles)"] = isa_name(t.lora.isa);
     return out;
   });
   // One method's GEMM of one ISA's table on packed panels (per-kernel tests): m rows of K bf16 values,

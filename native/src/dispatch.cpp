@@ -36,6 +36,9 @@ KernelTable make_table(Isa isa) {
     t.silu_mul = kernels::avx512::silu_mul, t.add_weighted = kernels::avx512::add_weighted;
     t.sum_to_bf16 = kernels::avx512::sum_to_bf16, t.isa_vector = Isa::kAvx512;
   }
+  kernels::scalar::lora_kernels(t.lora);
+  if (isa >= Isa::kAvx2) kernels::avx2::lora_kernels(t.lora);
+  if (isa >= Isa::kAvx512) kernels::avx512::lora_kernels(t.lora);
   // A16 gate/up over the int8-input kernel, whole layer: DeepSeek at 2048 tokens (256 rows per
   // expert, K 7168) INT8 x0.98-1.02; at 512 tokens (64 rows) x0.92; Qwen3 at 2048 tokens (128 rows)
   // x0.95-1.04. Hence INT8's A16 only from 160 rows. INT4's int8-input kernel sums all of K in the

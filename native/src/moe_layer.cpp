@@ -15,6 +15,8 @@
 #include "kt/packing.h"
 #include "kt/thread_scratch.h"
 #include "kt/topology.h"
+#include "routing.h"
+#include "work_items.h"
 
 namespace kt {
 
@@ -37,29 +39,12 @@ constexpr int64_t kMaxDownRowsTokens = 32;
 constexpr int64_t kMaxRunPanels = 128;
 constexpr int kMaxPools = 64;
 
-template <class Vector>
-void grow(Vector& v, size_t n) {
-  if (v.size() < n) v.resize(n);
-}
-
 // Rows per kernel call for an expert with `rows` rows: at most kRowChunk, split evenly in whole
 // blocks. Each call streams (A16: dequantizes) all of the expert's weights, so a split of 256 + a
 // few rows paid that twice for a few rows (DeepSeek at 2048 tokens: half the experts).
 int64_t rows_per_call(int64_t rows) {
   const int64_t calls = (rows + kRowChunk - 1) / kRowChunk;
   return std::min<int64_t>(kRowChunk, round_up((rows + calls - 1) / calls, kRowBlock));
-}
-
-struct alignas(64) PaddedCounter {
-  std::atomic<int64_t> value{0};
-};
-
-// Takes work items [0, n) from a shared counter until none are left.
-template <class F>
-void for_each_item(std::atomic<int64_t>& counter, int64_t n, F&& body) {
-  for (int64_t i = counter.fetch_add(1, std::memory_order_relaxed); i < n;
-       i = counter.fetch_add(1, std::memory_order_relaxed))
-    body(i);
 }
 
 // Takes ranges of [0, n) from a shared cursor until none is left, each `size(left)` long (clipped
@@ -83,16 +68,12 @@ int64_t first_row_of(int64_t begin, int rank, int workers) {
 
 }  // namespace
 
-struct MoeWorkspace {
-  // Routing of the current chunk: rows grouped by expert; each expert's rows start a new block of
-  // 32 in the gathered buffers (padded_offsets), so AMX reads them as tiles.
-  int64_t tokens = 0;
-  std::vector<int64_t> counts, offsets, padded_offsets;  // [E], [E + 1], [E + 1]
-  std::vector<int64_t> fill;                             // [E]: next free row of each expert
-  std::vector<int> active;                               // experts with at least one row
-  std::vector<int32_t> row_token;                        // chunk-local token of each row
-  std::vector<int32_t> row_expert;                       // expert of each row
-  std::vector<float> row_weight;
+// The routing of the current chunk is its ExpertRows (routing.h).
+struct MoeWorkspace : ExpertRows {
+  int64_t tokens = 0;  // the batch's
+  // [E + 1]: each expert's rows start a new block of 32 in the gathered buffers, so AMX reads them
+  // as tiles.
+  std::vector<int64_t> padded_offsets;
   // Set by worker 0, read by all after a barrier. Two flags: the start check and a chunk's routing
   // have no barrier between them, so one flag could be rewritten while a worker still reads it.
   bool bad_batch = false;
@@ -122,7 +103,6 @@ struct MoeWorkspace {
   // Small chunks (kMaxDownRowsTokens): each pool's y holds every row's down projection, summed per
   // token in slot order in phase 4, whichever worker computed it (the result is reproducible).
   bool down_rows = false;
-  std::vector<int64_t> slot_row;    // [tokens, top_k]: the row of each slot, -1 when not computed here
   std::atomic<bool> failed{false};  // a worker failed in this chunk: whoever waits on ready stops
   PaddedCounter phase_counter[kMaxPools][3];
   PaddedCounter load_counter;
@@ -436,17 +416,6 @@ struct MoeLayer::Chunk {
 
 namespace {
 
-// Records a failure and lets every worker reach the same barriers.
-template <class F>
-void guarded(Runner& runner, MoeWorkspace& ws, F&& body) {
-  try {
-    body();
-  } catch (...) {
-    runner.record_error(std::current_exception());
-    ws.failed.store(true, std::memory_order_release);  // after the record: a waiter's error comes second
-  }
-}
-
 // Row r of expert e sits at padded row r + padding_before(ws, e) of the gathered buffers.
 int64_t padding_before(const MoeWorkspace& ws, int e) {
   return ws.padded_offsets[e] - ws.offsets[e];
@@ -584,54 +553,25 @@ void MoeLayer::route(const Chunk& chunk) {
   const int down_a16_min_rows = table_.method(config_.method).down_a16_min_rows;
   ws.bad_routing = true;  // until routing succeeds
   ws.failed.store(false, std::memory_order_relaxed);
-  guarded(*runner_, ws, [&] {
-    auto id_at = [&](int64_t t, int j) -> int64_t {
-      const int64_t i = (c0 + t) * K + j;
-      return args.ids_int64 ? static_cast<const int64_t*>(args.expert_ids)[i]
-                            : static_cast<const int32_t*>(args.expert_ids)[i];
-    };
-    auto computed_here = [&](int64_t e) {
-      return e >= 0 && storage_[e] >= 0 && !(args.skip_mask && args.skip_mask[e]);
-    };
+  guarded(*runner_, ws.failed, [&] {
     if (args.tokens_ptr) {  // read at run time: submit could not check them
       const size_t bytes = args.ids_int64 ? sizeof(int64_t) : sizeof(int32_t);
       check_expert_ids(static_cast<const uint8_t*>(args.expert_ids) + c0 * K * bytes, args.ids_int64, Tc, K,
                        E, c0);
     }
-    ws.counts.assign(E, 0);
-    for (int64_t t = 0; t < Tc; ++t)
-      for (int j = 0; j < K; ++j) {
-        const int64_t e = id_at(t, j);
-        if (computed_here(e)) ++ws.counts[e];
-      }
-    ws.offsets.assign(E + 1, 0);
+    route_rows({args.expert_ids, args.ids_int64, args.weights, args.skip_mask}, c0, Tc, K, E, storage_.data(),
+               ws);
     ws.padded_offsets.assign(E + 1, 0);
-    ws.active.clear();
     ws.a16.assign(E, 0);
     ws.down_a16.assign(E, 0);
     bool any_a16 = false;
     for (int e = 0; e < E; ++e) {
-      ws.offsets[e + 1] = ws.offsets[e] + ws.counts[e];
       ws.padded_offsets[e + 1] = ws.padded_offsets[e] + round_up(ws.counts[e], kRowBlock);
-      if (ws.counts[e] > 0) ws.active.push_back(e);
       ws.a16[e] = int8_x && a16_min_rows > 0 && ws.counts[e] >= a16_min_rows;
       any_a16 = any_a16 || ws.a16[e];
       ws.down_a16[e] = int8_h && down_a16_min_rows > 0 && ws.counts[e] >= down_a16_min_rows;
     }
     const int64_t R = ws.offsets[E], Rp = ws.padded_offsets[E];
-    grow(ws.row_token, R), grow(ws.row_expert, R), grow(ws.row_weight, R), grow(ws.slot_row, Tc * K);
-    ws.fill.assign(ws.offsets.begin(), ws.offsets.end() - 1);  // no allocation per chunk
-    for (int64_t t = 0; t < Tc; ++t)
-      for (int j = 0; j < K; ++j) {
-        const int64_t e = id_at(t, j);
-        ws.slot_row[t * K + j] = -1;
-        if (!computed_here(e)) continue;
-        const int64_t r = ws.fill[e]++;
-        ws.slot_row[t * K + j] = r;
-        ws.row_token[r] = static_cast<int32_t>(t);
-        ws.row_expert[r] = static_cast<int32_t>(e);
-        ws.row_weight[r] = args.weights[(c0 + t) * K + j];
-      }
     if (int8_x) grow(ws.x_q, Tc * Hp), grow(ws.x_scale, Tc * Hp / G), grow(ws.x_sum, Tc * Hp / G);
     ws.down_rows = Tc <= kMaxDownRowsTokens;
     grow(ws.x_rows, Rp * Hp * elem);
@@ -659,7 +599,7 @@ void MoeLayer::route(const Chunk& chunk) {
 void MoeLayer::gather_inputs(const Chunk& chunk, const WorkerContext& ctx) {
   MoeWorkspace& ws = *workspace_;
   const auto& [args, c0, Tc, E, K, P, G, H, Hp, Hy, Gh, int8_x, int8_h, gemm_q, gemm_a16] = chunk;
-  guarded(*runner_, ws, [&] {
+  guarded(*runner_, ws.failed, [&] {
     thread_local std::vector<float> row;
     thread_local std::vector<uint16_t> padded;
     grow(row, Hp), grow(padded, Hp);
@@ -710,7 +650,7 @@ void MoeLayer::gate_up(const Chunk& chunk, const WorkerContext& ctx) {
   const int64_t slice_groups = slice / Gh;
   const int64_t max_rows = max_rows_per_call(ws);
   KernelScratch& sc = kernel_scratch();
-  guarded(*runner_, ws, [&] {
+  guarded(*runner_, ws.failed, [&] {
     const int npan = static_cast<int>(Gh / kPanelWidth);
     grow(sc.h_bf16, Gh);
     const int64_t block_bytes = 2 * npan * panel_bytes(config_.method, G, Hp);
@@ -797,7 +737,7 @@ void MoeLayer::quantize_h(const Chunk& chunk, const WorkerContext& ctx) {
   auto& ps = ws.pools[ctx.pool];
   const int64_t slice = pools_[ctx.pool]->i_end - pools_[ctx.pool]->i_begin;
   const int G = chunk.G;
-  guarded(*runner_, ws, [&] {
+  guarded(*runner_, ws.failed, [&] {
     for (int e : ws.active)
       if (!ws.down_a16[e])
         for (int64_t r = first_row_of(ws.offsets[e], ctx.rank_in_pool, ctx.pool_size); r < ws.offsets[e + 1];
@@ -819,7 +759,7 @@ void MoeLayer::down(const Chunk& chunk, const WorkerContext& ctx) {
   const int64_t slice_groups = slice / Gh;
   const int64_t max_rows = max_rows_per_call(ws);
   KernelScratch& sc = kernel_scratch();
-  guarded(*runner_, ws, [&] {
+  guarded(*runner_, ws.failed, [&] {
     if (slice == 0) return;
     const int64_t down_panel = panel_bytes(config_.method, G, slice);
     const int64_t panels = Hy / kPanelWidth;
@@ -909,7 +849,7 @@ void MoeLayer::down(const Chunk& chunk, const WorkerContext& ctx) {
 void MoeLayer::combine(const Chunk& chunk, const WorkerContext& ctx) {
   MoeWorkspace& ws = *workspace_;
   const auto& [args, c0, Tc, E, K, P, G, H, Hp, Hy, Gh, int8_x, int8_h, gemm_q, gemm_a16] = chunk;
-  guarded(*runner_, ws, [&] {
+  guarded(*runner_, ws.failed, [&] {
     thread_local std::vector<const float*> parts;
     thread_local std::vector<float> sum;
     grow(parts, P), grow(sum, Hy);

@@ -67,6 +67,34 @@ struct MethodKernels {
   int down_a16_min_rows = 0;
 };
 
+// The fine-tuning kernels (kt/lora.h; src/kernels/<isa>/lora_ops.cpp, lora_loops.cpp). The
+// adapters' small fp32 products, row-major with leading dimensions: C += alpha A B^T (gemm_nt,
+// A [m, K], B [n, K]), C += alpha A B (gemm_nn, B [K, n]), C += alpha A^T B (gemm_tn, A [K, m]); a
+// bf16 row to fp32; silu(g) * u's backward (dg = dh u silu'(g), du = dh silu(g)). And the
+// backward's reading of the packed weights transposed (src/kernels/transposed_gemm.h), per 16 x 16
+// tile: a method's tile decoded to bf16 rows in BF16's packed layout (8 rows of 16 channels x 2
+// K-values), then transposed.
+using Fp32GemmFn = void (*)(int64_t m, int64_t n, int64_t K, float alpha, const float* A, int64_t lda,
+                            const float* B, int64_t ldb, float* C, int64_t ldc);
+using Bf16RowToFloatFn = void (*)(const uint16_t* src, int64_t n, float* dst);
+using SiluMulBackwardFn = void (*)(const float* g, const float* u, const float* dh, int64_t n, float* dg,
+                                   float* du);
+using TransposeTileFn = void (*)(const uint16_t* src, uint16_t* dst);
+// Channels 0..15, K-values kin..kin + 15 (kin a multiple of 16 within the group) of the group block
+// `g` (quant_types.h).
+using DecodeTileFn = void (*)(const uint8_t* g, int group, int kin, uint16_t* stage);
+
+struct LoraKernels {
+  Fp32GemmFn gemm_nt, gemm_nn, gemm_tn;
+  Bf16RowToFloatFn bf16_row_to_float;
+  SiluMulBackwardFn silu_mul_backward;
+  TransposeTileFn transpose_tile;
+  // Per method: the portable decode in every family, AVX2's and AVX-512's own for the decoded
+  // methods (src/methods/decoders.h); null for BF16, whose packed rows are read in place.
+  DecodeTileFn decode_tile[kNumMethods];
+  Isa isa;  // the family of the fp32 loops and the transpose
+};
+
 struct KernelTable {
   Isa isa;
   MethodKernels methods[kNumMethods];
@@ -74,6 +102,7 @@ struct KernelTable {
   AddWeightedFn add_weighted;
   SumToBf16Fn sum_to_bf16;
   Isa isa_vector;
+  LoraKernels lora;
   const MethodKernels& method(Method m) const { return methods[static_cast<int>(m)]; }
 };
 
@@ -123,6 +152,17 @@ KT_DECLARE_VECTOR_OPS(scalar)
 KT_DECLARE_VECTOR_OPS(avx2)
 KT_DECLARE_VECTOR_OPS(avx512)
 #undef KT_DECLARE_VECTOR_OPS
+// The fine-tuning kernels: each family sets the entries it has its own version of, over the lower
+// family's (the scalar family sets every one).
+namespace scalar {
+void lora_kernels(LoraKernels& k);
+}
+namespace avx2 {
+void lora_kernels(LoraKernels& k);
+}
+namespace avx512 {
+void lora_kernels(LoraKernels& k);
+}
 }  // namespace kernels
 
 }  // namespace kt

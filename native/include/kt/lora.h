@@ -54,7 +54,7 @@ struct SftBackwardArgs {
   float* grad_weights = nullptr;       // fp32 [tokens, top_k], written (0 where nothing was computed)
 };
 
-// What one forward keeps for its backward (lora.cpp). Owned by the caller; freed with it.
+// What one forward keeps for its backward (src/lora_steps.h). Owned by the caller; freed with it.
 struct SftSaved;
 std::shared_ptr<SftSaved> make_sft_saved();
 int64_t sft_saved_bytes(const SftSaved& saved);

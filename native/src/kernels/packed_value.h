@@ -1,5 +1,6 @@
 // One weight of a packed group as a float, for every method: the portable decode that the
-// fine-tuning backward uses to read the packed panels transposed (lora.cpp). The GEMMs never call it.
+// fine-tuning backward uses to read the packed panels transposed (scalar/lora_ops.cpp). The GEMMs
+// never call it.
 #pragma once
 
 #include <cstdint>
