@@ -296,6 +296,34 @@ def test_qwen3_moe_serves_a_checkpoint_as_it_ships(qwen, method, write, tmp_path
     assert (served - _chosen_logprobs(_hf_model(model_dir), prompts)).abs().max() > LOGPROB_TOL
 
 
+@pytest.fixture(scope="module")
+def qwen_256(tmp_path_factory):
+    """A tiny Qwen3-MoE whose hidden and expert sizes are multiples of the K-quants' 256."""
+    spec = TinyMoESpec(arch="qwen3_moe", num_layers=2, hidden_size=256, moe_intermediate_size=256)
+    return write_tiny_moe(tmp_path_factory.mktemp("qwen3moe-256"), spec)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
+def test_qwen3_moe_serves_a_gguf_model(qwen_256, qtype, tmp_path):
+    """--kt-method LLAMAFILE with --kt-weight-path at a GGUF file of the experts (written with the gguf
+    package): the server's ids and log-probabilities follow our standalone stack on the same file."""
+    from gguf import GGMLQuantizationType
+    from gguf_files import gguf_from_checkpoint
+
+    model_dir = qwen_256
+    path = tmp_path / f"experts-{qtype}.gguf"
+    gguf_from_checkpoint(model_dir, path, GGMLQuantizationType[qtype])
+    standalone = _hf_model(model_dir)
+    replace_experts(standalone, path, "LLAMAFILE")
+    prompts = _reference(standalone)
+    args = _kt(model_dir, "LLAMAFILE")
+    args[args.index("--kt-weight-path") + 1] = str(path)
+    logprobs: list = []
+    outs, log = _serve_and_generate(model_dir, args, prompts, tmp_path / "server.log", logprobs)
+    assert outs == [ids for _, ids in prompts]
+    assert (torch.tensor(logprobs) - _chosen_logprobs(standalone, prompts)).abs().max() < LOGPROB_TOL
+
+
 def _expert_adapter(model_dir: Path, out: Path) -> Path:
     """A LoRA adapter of the tiny model's routed experts (random, B != 0), saved in PEFT's format."""
     from kt_sglang.finetune.hf import attach_lora_experts, save_expert_adapter
@@ -351,7 +379,7 @@ def _launch_error(args: list[str]) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--kt-method", "LLAMAFILE"], "method 'LLAMAFILE' is not supported yet"),
+        (["--kt-method", "LLAMAFILE"], "--kt-method LLAMAFILE reads GGUF models"),
         (["--kt-method", "INT3"], "unknown method 'INT3'"),
         (["--kt-num-gpu-experts", "9"], "--kt-num-gpu-experts 9 is more than the model's 8 experts"),
         (["--kt-max-deferred-experts-per-token", "2"], "use 0..1"),

@@ -57,7 +57,7 @@ def layer():
             "at least one thread per pool",
         ),
         (dict(numa_nodes=[7]), "numa_nodes names node 7"),
-        (dict(method="LLAMAFILE"), "'LLAMAFILE' is not supported yet"),
+        (dict(method="LLAMAFILE"), "LLAMAFILE computes each GGUF tensor in its own type: give weight_path"),
         (dict(method="FP8", group_size=64), "group_size=64 is not allowed for FP8: use one of \\[128\\]"),
         (dict(method="INT3"), "unknown method 'INT3'"),
         (dict(group_size=48), "group_size=48 is not allowed for AMXINT8"),
@@ -400,14 +400,15 @@ def test_deferral_max_batch_reaches_the_layer_default(tmp_path):
 
 
 def test_kt_kernel_inference_methods_are_accepted():
-    """kt-kernel's inference method names: all served but LLAMAFILE; MOE_INT4/MOE_INT8 (its general,
-    non-AMX kernels) select AMXINT4/AMXINT8, whose kernels run on every ISA."""
-    from kt_sglang.engine.methods import UNSUPPORTED_METHODS, Method, parse_method
+    """kt-kernel's inference method names: LLAMAFILE takes each layer's method from its GGUF file
+    (test_gguf.py); MOE_INT4/MOE_INT8 (its general, non-AMX kernels) select AMXINT4/AMXINT8, whose
+    kernels run on every ISA."""
+    from kt_sglang.engine.methods import FILE_METHODS, Method, parse_method
 
     kt_kernel = ["AMXINT4", "AMXINT8", "RAWINT4", "FP8", "BF16", "FP8_PERCHANNEL", "MOE_INT4", "MOE_INT8"]
     assert {parse_method(name).value for name in kt_kernel} <= {m.value for m in Method}
     assert parse_method("MOE_INT4") is Method.AMXINT4 and parse_method("moe_int8") is Method.AMXINT8
-    assert UNSUPPORTED_METHODS == ("LLAMAFILE",)
+    assert FILE_METHODS == ("LLAMAFILE",)
     layer = new_layer(method="MOE_INT8")
     assert layer.method is Method.AMXINT8
 

@@ -73,6 +73,8 @@ class BaseMoEWrapper:
             activation.alpha,
             # the GPU's experts get no packed weights here (kt-kernel keeps a CPU copy of every one)
             mask.to(torch.uint8).tolist() if mask is not None else [],
+            config.down_method.native if config.down_method is not None else None,
+            config.down_group_size or 0,
         )
         BaseMoEWrapper._layers.add(self)
 
@@ -83,6 +85,9 @@ class BaseMoEWrapper:
     hidden_size = property(lambda self: self.config.hidden_size)
     moe_intermediate_size = property(lambda self: self.config.moe_intermediate_size)
     method = property(lambda self: self.config.method)
+    # The down projection's method and group (a GGUF layer may store it in another type than gate/up)
+    down_method = property(lambda self: self.config.down_method or self.config.method)
+    down_group_size = property(lambda self: self._layer.down_group)
     weight_path = property(lambda self: self.config.weight_path)
     chunked_prefill_size = property(lambda self: self.config.chunked_prefill_size)
     cpu_save = property(lambda self: self.config.cpu_save)
@@ -166,14 +171,17 @@ class BaseMoEWrapper:
         """Packs already-quantized canonical matrices (one per expert slot; see engine/canonical.py;
         None, or anything, for the experts of ``gpu_experts_mask``: they are not read)."""
         E, I, H = self.num_experts, self.moe_intermediate_size, self.hidden_size
+        down_method, down_group = self.down_method, self.down_group_size
         ptrs = {}
-        for name, mats, N, K in (("gate", gate, I, H), ("up", up, I, H), ("down", down, H, I)):
+        for name, mats, method, group, N, K in (
+            ("gate", gate, self.method, self.group_size, I, H),
+            ("up", up, self.method, self.group_size, I, H),
+            ("down", down, down_method, down_group, H, I),
+        ):
             if len(mats) != E:
                 raise ValueError(f"{name} has {len(mats)} matrices; num_experts is {E}")
             ptrs[name] = [
-                (0, 0, 0)
-                if not self.holds(e)
-                else check_matrix(m, self.method, self.group_size, N, K, f"{name}[{e}]")
+                (0, 0, 0) if not self.holds(e) else check_matrix(m, method, group, N, K, f"{name}[{e}]")
                 for e, m in enumerate(mats)
             ]
         self._layer.load_canonical(ptrs["gate"], ptrs["up"], ptrs["down"])
@@ -307,10 +315,13 @@ class BaseMoEWrapper:
             layer.drain()
 
     def __repr__(self) -> str:
+        down = ""
+        if self.down_method != self.method or self.down_group_size != self.group_size:
+            down = f"down_method={self.down_method.value}, down_group={self.down_group_size}, "
         return (
             f"{type(self).__name__}(layer={self.layer_idx}, experts={self.num_experts}, top_k="
             f"{self.num_experts_per_tok}, hidden={self.hidden_size}, intermediate="
-            f"{self.moe_intermediate_size}, method={self.method.value}, group={self.group_size}, "
+            f"{self.moe_intermediate_size}, method={self.method.value}, group={self.group_size}, {down}"
             f"isa={self.isa}, threads={self.layout.threads}, pools={self.layout.pools})"
         )
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kt_sglang.engine.activation import SILU, Glu
-from kt_sglang.engine.methods import Method, parse_method, resolve_group
+from kt_sglang.engine.methods import FILE_METHODS, Method, parse_method, resolve_group
 
 # What the engine's sizes hold (expert ids are int32 there); far past any model's.
 _MAX_EXPERTS = 2**31 - 1
@@ -53,6 +53,11 @@ class MoEConfig:
     ``activation`` (None: the checkpoint's, else SiLU) and ``expert_lora_path`` (a PEFT adapter merged
     into the experts on load). After construction ``method`` is a `Method` and ``gpu_experts_mask`` a
     contiguous bool CPU tensor (or None).
+
+    ``method="LLAMAFILE"`` (kt-kernel's GGUF method) takes the layer's engine methods and groups from
+    the GGUF model at ``weight_path`` (the block types of the layer's expert tensors, whose shapes and
+    metadata are checked against the arguments): ``method`` and ``group_size`` for gate/up,
+    ``down_method`` and ``down_group_size`` for down; ``file_method`` keeps the name given.
     """
 
     # The layer's shape
@@ -76,6 +81,9 @@ class MoEConfig:
     isa: str | None = None
     activation: Glu | None = None
     expert_lora_path: str | None = None
+    file_method: str | None = field(init=False, default=None)
+    down_method: Method | None = field(init=False, default=None)  # None: method
+    down_group_size: int | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         for name, value, largest in (
@@ -97,11 +105,36 @@ class MoEConfig:
             raise ValueError(
                 f"chunked_prefill_size must be a positive integer, got {self.chunked_prefill_size!r}"
             )
+        if str(self.method).upper() in FILE_METHODS:
+            self._take_method_from_file()
         method = parse_method(self.method)
         if self.group_size is not None:
             resolve_group(method, self.group_size)
         object.__setattr__(self, "method", method)
         object.__setattr__(self, "gpu_experts_mask", self._checked_mask(self.gpu_experts_mask))
+
+    def _take_method_from_file(self) -> None:
+        from kt_sglang.weights.gguf import open_gguf
+
+        name = str(self.method).upper()
+        if self.weight_path is None:
+            raise ValueError(
+                f"method {name} computes each GGUF tensor in its own type: give weight_path (a .gguf "
+                "file, the first of a split set, or a directory holding one model)"
+            )
+        (method, group), (down_method, down_group) = open_gguf(self.weight_path).layer_methods(
+            self.layer_idx, self.num_experts, self.hidden_size, self.moe_intermediate_size
+        )
+        if self.group_size is not None and self.group_size != group:
+            raise ValueError(
+                f"group_size={self.group_size}: layer {self.layer_idx} of {self.weight_path} is stored in "
+                f"blocks of {group} ({method}); leave group_size unset"
+            )
+        object.__setattr__(self, "file_method", name)
+        object.__setattr__(self, "method", method)
+        object.__setattr__(self, "group_size", group)
+        object.__setattr__(self, "down_method", parse_method(down_method))
+        object.__setattr__(self, "down_group_size", down_group)
 
     def _checked_mask(self, mask) -> torch.Tensor | None:
         if mask is None:

@@ -13,8 +13,9 @@ import torch
 
 from kt_sglang.engine.native import _native
 
-# Named by kt-kernel and accepted by SGLang's flag, not implemented by this engine.
-UNSUPPORTED_METHODS = ("LLAMAFILE",)
+# Named by kt-kernel for a weight file's own format: each layer takes its engine method from the
+# file (a GGUF tensor's block type, kt_sglang.weights.gguf_blocks).
+FILE_METHODS = ("LLAMAFILE",)
 
 _TABLE = _native.method_table()
 
@@ -119,8 +120,11 @@ def parse_method(name: str | Method) -> Method:
     if key in _BY_NAME:
         return _BY_NAME[key]
     supported = ", ".join(method_names())
-    if key in UNSUPPORTED_METHODS:
-        raise ValueError(f"method {name!r} is not supported yet by kt-sglang; use one of {supported}")
+    if key in FILE_METHODS:
+        raise ValueError(
+            f"method {name!r} takes each layer's method from its weight file: give it with weight_path "
+            f"(a layer's engine method is one of {supported})"
+        )
     raise ValueError(f"unknown method {name!r}; use one of {supported}")
 
 

@@ -177,7 +177,7 @@ def model_facts(model_path: str) -> ModelFacts | None:
 
 def resolve(server_args, extra: argparse.Namespace, argv: list[str]) -> KtSettings | None:
     """All `--kt-*` settings with defaults filled in and checked; None when CPU experts are off."""
-    from kt_sglang.engine.methods import parse_method
+    from kt_sglang.engine.methods import FILE_METHODS, parse_method
     from kt_sglang.engine.pools import check_thread_count, machine_nodes, reserved_cores, serving_threads
     from kt_sglang.weights.canonical_files import Manifest, is_canonical_dir
 
@@ -195,7 +195,8 @@ def resolve(server_args, extra: argparse.Namespace, argv: list[str]) -> KtSettin
             "--tp-size > 1 with CPU experts is not supported by kt-sglang yet: use --tp-size 1"
         )
     try:
-        method = parse_method(server_args.kt_method).value
+        name = str(server_args.kt_method).upper()
+        method = name if name in FILE_METHODS else parse_method(name).value
     except ValueError as exc:
         raise KtSettingsError(f"--kt-method: {exc}") from None
     if not flag_given(argv, "--kt-method") and is_canonical_dir(weight_path):
@@ -278,7 +279,7 @@ def check_expert_adapter(settings: KtSettings) -> None:
     """The adapter opens, and the CPU experts can take it: it is merged into dense weights before the
     engine quantizes them, so --kt-weight-path must be a checkpoint of bf16 / fp16 / fp32 (or FP8)
     experts and --kt-method one the engine quantizes to."""
-    from kt_sglang.engine.methods import METHODS, Method
+    from kt_sglang.engine.methods import METHODS
     from kt_sglang.finetune.adapter import AdapterError, ExpertAdapter
     from kt_sglang.weights.canonical_files import is_canonical_dir
 
@@ -287,7 +288,7 @@ def check_expert_adapter(settings: KtSettings) -> None:
     except AdapterError as exc:
         raise KtSettingsError(f"--kt-expert-lora-path: {exc}") from None
     quantizing = [m.value for m, info in METHODS.items() if info.quantizes_dense]
-    if not METHODS[Method(settings.method)].quantizes_dense:
+    if settings.method not in quantizing:
         raise KtSettingsError(
             f"--kt-expert-lora-path with --kt-method {settings.method}: the adapter is merged into the "
             f"weights before they are quantized; use one of {', '.join(quantizing)}"
@@ -301,13 +302,25 @@ def check_expert_adapter(settings: KtSettings) -> None:
 
 def check_against_model(settings: KtSettings, model_path: str) -> None:
     """Counts and files against the model's config (when the model is a local directory)."""
+    from kt_sglang.engine.methods import FILE_METHODS
     from kt_sglang.placement import PlacementStats
     from kt_sglang.weights.canonical_files import MANIFEST, Manifest, is_canonical_dir, verify_files
     from kt_sglang.weights.checkpoint import open_checkpoint
+    from kt_sglang.weights.gguf import is_gguf, open_gguf
 
     path = Path(settings.weight_path)
-    if not path.is_dir():
+    gguf = settings.method in FILE_METHODS
+    if not path.exists():
+        raise KtSettingsError(f"--kt-weight-path {path} does not exist")
+    if not path.is_dir() and not gguf:
         raise KtSettingsError(f"--kt-weight-path {path} is not a directory")
+    if gguf != is_gguf(path):
+        raise KtSettingsError(
+            f"--kt-weight-path {path} holds a GGUF model: use --kt-method LLAMAFILE"
+            if not gguf
+            else f"--kt-weight-path {path}: --kt-method {settings.method} reads GGUF models (a .gguf file, "
+            "the first of a split set, or a directory of one), and this is none"
+        )
     facts = model_facts(model_path)
     if facts is None:
         return
@@ -322,7 +335,13 @@ def check_against_model(settings: KtSettings, model_path: str) -> None:
             f"routes each token to {k} experts; use 0..{k - 1}"
         )
     try:
-        if is_canonical_dir(path):
+        if gguf:
+            spec = open_checkpoint(model_path).spec
+            where, theirs = path, (spec.num_experts, spec.hidden_size, spec.intermediate_size)
+            weights = open_gguf(path)
+            for layer in spec.moe_layers:  # shapes, metadata and block types, layer by layer
+                weights.layer_methods(layer, *theirs)
+        elif is_canonical_dir(path):
             m = Manifest.read(path)
             where = path / MANIFEST
             if m.method != settings.method:

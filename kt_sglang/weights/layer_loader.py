@@ -13,6 +13,7 @@ from kt_sglang.engine.methods import METHODS
 from kt_sglang.weights import formats
 from kt_sglang.weights.canonical_files import MANIFEST, Manifest, is_canonical_dir, read_layer
 from kt_sglang.weights.checkpoint import open_checkpoint
+from kt_sglang.weights.gguf import is_gguf, open_gguf
 from kt_sglang.weights.source import CheckpointError
 
 if TYPE_CHECKING:
@@ -26,7 +27,14 @@ DENSE_STEP_BYTES = 256 * 2**20
 def load_layer(layer: KTMoEWrapper, physical_to_logical_map) -> None:
     """`KTMoEWrapper.load_weights`: from ``layer.weight_path``, slot e taking source expert
     ``physical_to_logical_map[e]`` (identity by default)."""
-    if is_canonical_dir(layer.weight_path):
+    if layer.config.file_method is not None:
+        _load_gguf(layer, physical_to_logical_map)
+    elif is_gguf(layer.weight_path):
+        raise CheckpointError(
+            f"{layer.weight_path} is a GGUF model: load it with method LLAMAFILE (each tensor is computed "
+            "in its own GGUF type)"
+        )
+    elif is_canonical_dir(layer.weight_path):
         _load_canonical_dir(layer, physical_to_logical_map)
     else:
         _load_hf_checkpoint(layer, physical_to_logical_map)
@@ -120,6 +128,18 @@ def _load_hf_checkpoint(layer: KTMoEWrapper, physical_to_logical_map) -> None:
     biases = ckpt.layer_biases(layer.layer_idx, needed) if in_layer and needed else (None, None, None)
     if any(b is not None for b in biases):
         layer.load_biases(*biases, physical_to_logical_map=positions)
+
+
+def _load_gguf(layer: KTMoEWrapper, physical_to_logical_map) -> None:
+    if layer.expert_lora_path:
+        raise CheckpointError(
+            f"{layer.weight_path}: LLAMAFILE computes the GGUF file's values as they are; an expert "
+            "adapter is merged into dense weights before quantizing: use a method the engine quantizes to"
+        )
+    model = open_gguf(layer.weight_path)
+    model.check_layer(layer.layer_idx, layer.num_experts, layer.hidden_size, layer.moe_intermediate_size)
+    needed, positions = _read_plan(layer, physical_to_logical_map, layer.num_experts)
+    _load_read(layer, model.read_experts(layer.layer_idx, needed), positions)
 
 
 def _merge_adapter(layer: KTMoEWrapper, experts: list[int], num_experts: int, gate, up, down):

@@ -7,6 +7,7 @@
 #include <array>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <tuple>
 #include <utility>
 
@@ -316,22 +317,26 @@ PYBIND11_MODULE(_native, m) {
   py::class_<Workspace>(m, "Workspace").def(py::init<>());
 
   py::class_<MoeLayer>(m, "MoeLayer")
-      .def(py::init([](std::shared_ptr<Runner> runner, const Workspace& ws, int num_experts, int top_k,
-                       int64_t hidden, int64_t intermediate, Method method, int group, const std::string& isa,
-                       int64_t max_chunk_tokens, int glu_kind, float glu_limit, float glu_alpha,
-                       const std::vector<uint8_t>& absent) {
-             const auto parsed = parse_isa(isa);
-             if (!parsed) throw std::invalid_argument("unknown ISA '" + isa + "'");
-             MoeConfig c{num_experts, top_k, hidden, intermediate, method, group, max_chunk_tokens};
-             c.glu = GluConfig{static_cast<GluKind>(glu_kind), glu_limit, glu_alpha};
-             c.absent = absent;
-             return std::make_unique<MoeLayer>(c, std::move(runner), ws.impl, *parsed);
-           }),
-           py::arg("runner"), py::arg("workspace"), py::arg("num_experts"), py::arg("top_k"),
-           py::arg("hidden"), py::arg("intermediate"), py::arg("method"), py::arg("group"), py::arg("isa"),
-           py::arg("max_chunk_tokens"), py::arg("glu_kind") = 0, py::arg("glu_limit") = 0.0f,
-           py::arg("glu_alpha") = 1.702f, py::arg("absent") = std::vector<uint8_t>{},
-           "absent: [num_experts] 1 = held elsewhere (a GPU slot): no packed weights, never computed here")
+      .def(
+          py::init([](std::shared_ptr<Runner> runner, const Workspace& ws, int num_experts, int top_k,
+                      int64_t hidden, int64_t intermediate, Method method, int group, const std::string& isa,
+                      int64_t max_chunk_tokens, int glu_kind, float glu_limit, float glu_alpha,
+                      const std::vector<uint8_t>& absent, std::optional<Method> down_method, int down_group) {
+            const auto parsed = parse_isa(isa);
+            if (!parsed) throw std::invalid_argument("unknown ISA '" + isa + "'");
+            MoeConfig c{num_experts, top_k,       hidden,     intermediate,    method,
+                        group,       down_method, down_group, max_chunk_tokens};
+            c.glu = GluConfig{static_cast<GluKind>(glu_kind), glu_limit, glu_alpha};
+            c.absent = absent;
+            return std::make_unique<MoeLayer>(c, std::move(runner), ws.impl, *parsed);
+          }),
+          py::arg("runner"), py::arg("workspace"), py::arg("num_experts"), py::arg("top_k"),
+          py::arg("hidden"), py::arg("intermediate"), py::arg("method"), py::arg("group"), py::arg("isa"),
+          py::arg("max_chunk_tokens"), py::arg("glu_kind") = 0, py::arg("glu_limit") = 0.0f,
+          py::arg("glu_alpha") = 1.702f, py::arg("absent") = std::vector<uint8_t>{},
+          py::arg("down_method") = std::nullopt, py::arg("down_group") = 0,
+          "absent: [num_experts] 1 = held elsewhere (a GPU slot): no packed weights, never computed here; "
+          "down_method, down_group: the down projection's where they differ from gate/up's (None: the same)")
       .def(
           "load_biases",
           [](MoeLayer& l, uintptr_t gate, uintptr_t up, uintptr_t down) {
@@ -351,13 +356,14 @@ PYBIND11_MODULE(_native, m) {
               const std::vector<std::tuple<uintptr_t, uintptr_t, uintptr_t>>& up,
               const std::vector<std::tuple<uintptr_t, uintptr_t, uintptr_t>>& down) {
              const MoeConfig& c = l.config();
-             auto build = [&](const auto& src, int64_t N, int64_t K) {
+             auto build = [&](const auto& src, Method method, int group, int64_t N, int64_t K) {
                std::vector<CanonicalMatrix> out;
-               for (const auto& [w, s, mn] : src) out.push_back(canonical(c.method, N, K, c.group, w, s, mn));
+               for (const auto& [w, s, mn] : src) out.push_back(canonical(method, N, K, group, w, s, mn));
                return out;
              };
-             auto g = build(gate, c.intermediate, c.hidden), u = build(up, c.intermediate, c.hidden);
-             auto d = build(down, c.hidden, c.intermediate);
+             auto g = build(gate, c.method, c.group, c.intermediate, c.hidden);
+             auto u = build(up, c.method, c.group, c.intermediate, c.hidden);
+             auto d = build(down, *c.down_method, c.down_group, c.hidden, c.intermediate);
              py::gil_scoped_release release;
              l.load_canonical(g, u, d);
            })
@@ -385,6 +391,8 @@ PYBIND11_MODULE(_native, m) {
            "Waits until every forward this layer submitted has finished.")
       .def_property_readonly("isa", [](const MoeLayer& l) { return std::string(isa_name(l.isa())); })
       .def_property_readonly("group", [](const MoeLayer& l) { return l.config().group; })
+      .def_property_readonly("down_method", [](const MoeLayer& l) { return *l.config().down_method; })
+      .def_property_readonly("down_group", [](const MoeLayer& l) { return l.config().down_group; })
       .def_property_readonly("packed_bytes", &MoeLayer::packed_bytes)
       .def_property_readonly("pool_slices", &MoeLayer::pool_slices);
 

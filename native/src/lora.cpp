@@ -104,6 +104,8 @@ SftMoe::SftMoe(MoeLayer& layer, const LoraConfig& config)
   if (!c.glu.plain())
     throw std::invalid_argument("fine-tuning supports the SiLU-gated experts (silu(gate) * up) only");
   if (layer.has_biases()) throw std::invalid_argument("fine-tuning supports experts without biases only");
+  if (!layer.one_method())
+    throw std::invalid_argument("fine-tuning reads gate/up and down with one method; this layer has two");
   if (!layer.holds_every_expert())
     throw std::invalid_argument(
         "fine-tuning trains every expert on the CPU: build the layer without absent experts");

@@ -136,15 +136,22 @@ MoeLayer::MoeLayer(const MoeConfig& config, std::shared_ptr<Runner> runner,
       workspace_(std::move(workspace)),
       table_(kernel_table(isa)) {
   weight_prefetch_bytes();  // an invalid KT_SGLANG_PREFETCH_BYTES fails here, not in a worker
-  const MethodTraits& traits = method_traits(config_.method);
-  group_ = config_.group == 0 ? traits.default_group : config_.group;
-  if (!group_allowed(config_.method, group_)) {
-    std::string allowed;
-    for (int g : traits.allowed_groups)
-      if (g) allowed += (allowed.empty() ? "" : ", ") + std::to_string(g);
-    throw std::invalid_argument("group size " + std::to_string(group_) + " is not allowed for " +
-                                traits.name + ": use " + allowed);
-  }
+  // Each projection's group: the one given, else its method's default; one its kernels take.
+  auto resolve_group = [](Method method, int group, const char* projection) {
+    const MethodTraits& traits = method_traits(method);
+    const int g = group == 0 ? traits.default_group : group;
+    if (!group_allowed(method, g)) {
+      std::string allowed;
+      for (int a : traits.allowed_groups)
+        if (a) allowed += (allowed.empty() ? "" : ", ") + std::to_string(a);
+      throw std::invalid_argument(std::string(projection) + "group size " + std::to_string(g) +
+                                  " is not allowed for " + traits.name + ": use " + allowed);
+    }
+    return g;
+  };
+  group_ = resolve_group(config_.method, config_.group, "");
+  if (!config_.down_method) config_.down_method = config_.method, config_.down_group = group_;
+  config_.down_group = resolve_group(*config_.down_method, config_.down_group, "down projection: ");
   if (config_.num_experts < 1 || config_.top_k < 1 || config_.top_k > config_.num_experts)
     throw std::invalid_argument("need 1 <= top_k <= num_experts");
   if (config_.hidden < 1 || config_.intermediate < 1)
@@ -157,7 +164,7 @@ MoeLayer::MoeLayer(const MoeConfig& config, std::shared_ptr<Runner> runner,
   if (!(glu.limit >= 0.0f) || !std::isfinite(glu.limit) || !std::isfinite(glu.alpha))
     throw std::invalid_argument("activation limit must be finite and >= 0 (0: none), alpha finite");
   config_.group = group_;
-  const int64_t unit = std::max<int64_t>(group_, kKAlign);
+  const int64_t unit = std::max<int64_t>({group_, config_.down_group, kKAlign});
   hidden_padded_ = round_up(config_.hidden, unit);
   const int64_t units = round_up(config_.intermediate, unit) / unit;
   intermediate_padded_ = units * unit;
@@ -178,7 +185,7 @@ MoeLayer::MoeLayer(const MoeConfig& config, std::shared_ptr<Runner> runner,
     pw->gate_region = {pw->i_begin, slice, 0, hidden_padded_};
     pw->down_region = {0, round_up(config_.hidden, kPanelWidth), pw->i_begin, slice};
     pw->gate_up_bytes = 2 * packed_matrix_bytes(config_.method, group_, pw->gate_region);
-    pw->down_bytes = packed_matrix_bytes(config_.method, group_, pw->down_region);
+    pw->down_bytes = packed_matrix_bytes(*config_.down_method, config_.down_group, pw->down_region);
     pw->gate_up_alloc = static_cast<size_t>(pw->gate_up_bytes * held_);
     pw->down_alloc = static_cast<size_t>(pw->down_bytes * held_);
     pw->gate_up = static_cast<uint8_t*>(alloc_on_node(pw->gate_up_alloc, pw->node));
@@ -300,7 +307,7 @@ void MoeLayer::load_dense(const void* gate, const void* up, const void* down, DT
       if (storage_[slot] < 0 || src < 0) return;  // held elsewhere, or loaded by another call
       g.reset(config_.method, I, H, group_);
       u.reset(config_.method, I, H, group_);
-      d.reset(config_.method, H, I, group_);
+      d.reset(*config_.down_method, H, I, config_.down_group);
       with_context(src, "gate_proj", [&] {
         quantize_rows(static_cast<const char*>(gate) + src * I * H * elem, dtype, g.m, 0, I);
       });
@@ -323,15 +330,18 @@ void MoeLayer::load_canonical(const std::vector<CanonicalMatrix>& gate,
   if (static_cast<int64_t>(gate.size()) != E || static_cast<int64_t>(up.size()) != E ||
       static_cast<int64_t>(down.size()) != E)
     throw std::invalid_argument("need one canonical gate, up and down matrix per expert");
-  auto check = [&](const CanonicalMatrix& m, int64_t N, int64_t K, const char* what) {
-    if (m.method != config_.method || m.N != N || m.K != K || m.group != group_ || !m.complete())
-      throw std::invalid_argument(
-          std::string(what) + ": canonical matrix does not match the layer (method, shape [" +
-          std::to_string(N) + ", " + std::to_string(K) + "], group " + std::to_string(group_) + ")");
+  auto check = [&](const CanonicalMatrix& m, Method method, int group, int64_t N, int64_t K,
+                   const char* what) {
+    if (m.method != method || m.N != N || m.K != K || m.group != group || !m.complete())
+      throw std::invalid_argument(std::string(what) + ": canonical matrix does not match the layer (method " +
+                                  method_traits(method).name + ", shape [" + std::to_string(N) + ", " +
+                                  std::to_string(K) + "], group " + std::to_string(group) + ")");
   };
   for (int64_t e = 0; e < E; ++e) {
     if (storage_[e] < 0) continue;  // held elsewhere: its matrices are not read
-    check(gate[e], I, H, "gate"), check(up[e], I, H, "up"), check(down[e], H, I, "down");
+    check(gate[e], config_.method, group_, I, H, "gate");
+    check(up[e], config_.method, group_, I, H, "up");
+    check(down[e], *config_.down_method, config_.down_group, H, I, "down");
   }
   auto& counter = workspace_->load_counter.value;
   counter.store(0);
@@ -404,14 +414,14 @@ void store_tiled(uint8_t* row, int64_t offset, const void* src, int64_t n) {
 struct MoeLayer::Chunk {
   const ForwardArgs& args;
   int64_t c0 = 0, Tc = 0;  // tokens [c0, c0 + Tc) of the batch
-  int E, K, P, G;          // experts, top-k, pools, quantization group
+  int E, K, P, G, Gd;      // experts, top-k, pools, quantization groups of gate/up and down
   int64_t H, Hp, Hy, Gh;   // hidden size, padded to the group and to 16; intermediate block
   // Gate/up read int8 inputs quantized per (token, group) (else bf16), the down projection an int8
   // h quantized per (row, group) (else bf16): MethodTraits::gate_up_input / down_input. The
   // bf16-input kernel also runs gate/up of the experts with many rows (ws.a16) where it is faster.
   bool int8_x, int8_h;
-  GemmQ8Fn gemm_q;
-  GemmA16Fn gemm_a16;
+  GemmQ8Fn gemm_q, down_q;  // gate/up's kernels, down's
+  GemmA16Fn gemm_a16, down_a16;
 };
 
 namespace {
@@ -477,8 +487,8 @@ int64_t max_rows_per_call(const MoeWorkspace& ws) {
 // between the steps that read what another worker wrote.
 void MoeLayer::forward_task(const ForwardArgs& args, const WorkerContext& ctx) {
   MoeWorkspace& ws = *workspace_;
-  const MethodTraits& traits = method_traits(config_.method);
   const MethodKernels& kernels = table_.method(config_.method);
+  const MethodKernels& down_kernels = table_.method(*config_.down_method);
   Chunk chunk{args,
               0,
               0,
@@ -486,14 +496,17 @@ void MoeLayer::forward_task(const ForwardArgs& args, const WorkerContext& ctx) {
               config_.top_k,
               static_cast<int>(pools_.size()),
               group_,
+              config_.down_group,
               config_.hidden,
               hidden_padded_,
               round_up(config_.hidden, kPanelWidth),
               h_group(),
-              traits.gate_up_input == Activation::kInt8,
-              traits.down_input == Activation::kInt8,
+              method_traits(config_.method).gate_up_input == Activation::kInt8,
+              method_traits(*config_.down_method).down_input == Activation::kInt8,
               kernels.gemm_q8,
-              kernels.gemm_a16};
+              down_kernels.gemm_q8,
+              kernels.gemm_a16,
+              down_kernels.gemm_a16};
 
   // Worker 0 reads the batch size and routes the first chunk before the first barrier: at T=1 each
   // barrier is a few us of a ~400 us layer.
@@ -547,10 +560,11 @@ void MoeLayer::forward_task(const ForwardArgs& args, const WorkerContext& ctx) {
 // ws.bad_routing on failure.
 void MoeLayer::route(const Chunk& chunk) {
   MoeWorkspace& ws = *workspace_;
-  const auto& [args, c0, Tc, E, K, P, G, H, Hp, Hy, Gh, int8_x, int8_h, gemm_q, gemm_a16] = chunk;
+  const auto& [args, c0, Tc, E, K, P, G, Gd, H, Hp, Hy, Gh, int8_x, int8_h, gemm_q, down_q, gemm_a16,
+               down_a16] = chunk;
   const int64_t elem = int8_x ? 1 : 2;  // bytes per gathered activation value
   const int a16_min_rows = table_.method(config_.method).gate_up_a16_min_rows;
-  const int down_a16_min_rows = table_.method(config_.method).down_a16_min_rows;
+  const int down_a16_min_rows = table_.method(*config_.down_method).down_a16_min_rows;
   ws.bad_routing = true;  // until routing succeeds
   ws.failed.store(false, std::memory_order_relaxed);
   guarded(*runner_, ws.failed, [&] {
@@ -580,7 +594,8 @@ void MoeLayer::route(const Chunk& chunk) {
       auto& ps = ws.pools[p];
       const int64_t slice = pools_[p]->i_end - pools_[p]->i_begin;
       grow(ps.h_rows, Rp * slice * 2);
-      if (int8_h) grow(ps.h_q, Rp * slice), grow(ps.h_scale, Rp * slice / G), grow(ps.h_sum, Rp * slice / G);
+      if (int8_h)
+        grow(ps.h_q, Rp * slice), grow(ps.h_scale, Rp * slice / Gd), grow(ps.h_sum, Rp * slice / Gd);
       grow(ps.y, (ws.down_rows ? R : Tc) * Hy);
       if (ps.ready_size < ws.active.size()) {
         ps.ready = std::make_unique<std::atomic<int64_t>[]>(ws.active.size());
@@ -598,7 +613,8 @@ void MoeLayer::route(const Chunk& chunk) {
 // it quantized, so the two steps need no barrier between them.
 void MoeLayer::gather_inputs(const Chunk& chunk, const WorkerContext& ctx) {
   MoeWorkspace& ws = *workspace_;
-  const auto& [args, c0, Tc, E, K, P, G, H, Hp, Hy, Gh, int8_x, int8_h, gemm_q, gemm_a16] = chunk;
+  const auto& [args, c0, Tc, E, K, P, G, Gd, H, Hp, Hy, Gh, int8_x, int8_h, gemm_q, down_q, gemm_a16,
+               down_a16] = chunk;
   guarded(*runner_, ws.failed, [&] {
     thread_local std::vector<float> row;
     thread_local std::vector<uint16_t> padded;
@@ -643,7 +659,8 @@ void MoeLayer::gather_inputs(const Chunk& chunk, const WorkerContext& ctx) {
 // worker that completes an expert's h also quantizes it (int8_h) and marks it ready for down.
 void MoeLayer::gate_up(const Chunk& chunk, const WorkerContext& ctx) {
   MoeWorkspace& ws = *workspace_;
-  const auto& [args, c0, Tc, E, K, P, G, H, Hp, Hy, Gh, int8_x, int8_h, gemm_q, gemm_a16] = chunk;
+  const auto& [args, c0, Tc, E, K, P, G, Gd, H, Hp, Hy, Gh, int8_x, int8_h, gemm_q, down_q, gemm_a16,
+               down_a16] = chunk;
   const PoolWeights& pw = *pools_[ctx.pool];
   auto& ps = ws.pools[ctx.pool];
   const int64_t slice = pw.i_end - pw.i_begin;
@@ -724,7 +741,7 @@ void MoeLayer::gate_up(const Chunk& chunk, const WorkerContext& ctx) {
           const int e = ws.active[a];
           if (int8_h && !ws.down_a16[e])
             for (int64_t r = ws.offsets[e]; r < ws.offsets[e + 1]; ++r)
-              quantize_h_row(ws, ps, slice, G, e, r);
+              quantize_h_row(ws, ps, slice, Gd, e, r);
           ps.ready[a].store(slice_groups + 1, std::memory_order_release);
         });
   });
@@ -736,7 +753,7 @@ void MoeLayer::quantize_h(const Chunk& chunk, const WorkerContext& ctx) {
   MoeWorkspace& ws = *workspace_;
   auto& ps = ws.pools[ctx.pool];
   const int64_t slice = pools_[ctx.pool]->i_end - pools_[ctx.pool]->i_begin;
-  const int G = chunk.G;
+  const int G = chunk.Gd;
   guarded(*runner_, ws.failed, [&] {
     for (int e : ws.active)
       if (!ws.down_a16[e])
@@ -752,7 +769,8 @@ void MoeLayer::quantize_h(const Chunk& chunk, const WorkerContext& ctx) {
 // so that one item can read an expert's whole slice in one run.
 void MoeLayer::down(const Chunk& chunk, const WorkerContext& ctx) {
   MoeWorkspace& ws = *workspace_;
-  const auto& [args, c0, Tc, E, K, P, G, H, Hp, Hy, Gh, int8_x, int8_h, gemm_q, gemm_a16] = chunk;
+  const auto& [args, c0, Tc, E, K, P, G, Gd, H, Hp, Hy, Gh, int8_x, int8_h, gemm_q, down_q, gemm_a16,
+               down_a16] = chunk;
   const PoolWeights& pw = *pools_[ctx.pool];
   auto& ps = ws.pools[ctx.pool];
   const int64_t slice = pw.i_end - pw.i_begin;
@@ -761,7 +779,7 @@ void MoeLayer::down(const Chunk& chunk, const WorkerContext& ctx) {
   KernelScratch& sc = kernel_scratch();
   guarded(*runner_, ws.failed, [&] {
     if (slice == 0) return;
-    const int64_t down_panel = panel_bytes(config_.method, G, slice);
+    const int64_t down_panel = panel_bytes(*config_.down_method, Gd, slice);
     const int64_t panels = Hy / kPanelWidth;
     // Output panels [p0, p0 + npan) of expert e for each of its rows: added into the pool's
     // y[token] with the row's weight, or (down_rows) stored in y[row].
@@ -775,16 +793,16 @@ void MoeLayer::down(const Chunk& chunk, const WorkerContext& ctx) {
           point_rows(sc, ws, e, r0, m, ps.h_q.data(), slice);
           for (int i = 0; i < m; ++i) {
             const int64_t pr = r0 + i + padding_before(ws, e);
-            sc.ptr_s[i] = ps.h_scale.data() + pr * (slice / G),
-            sc.ptr_m[i] = ps.h_sum.data() + pr * (slice / G);
+            sc.ptr_s[i] = ps.h_scale.data() + pr * (slice / Gd),
+            sc.ptr_m[i] = ps.h_sum.data() + pr * (slice / Gd);
           }
           const QuantRows h{reinterpret_cast<const int8_t* const*>(sc.ptr_a.data()), kTiledChunkStride,
                             reinterpret_cast<const float* const*>(sc.ptr_s.data()),
                             reinterpret_cast<const float* const*>(sc.ptr_m.data())};
-          gemm_q(m, slice, G, h, w, npan, sc.c_buf.data(), ldc);
+          down_q(m, slice, Gd, h, w, npan, sc.c_buf.data(), ldc);
         } else {
           point_rows(sc, ws, e, r0, m, ps.h_rows.data(), slice * 2);
-          gemm_a16(m, slice, G, sc.bf16_rows(), w, npan, sc.c_buf.data(), ldc);
+          down_a16(m, slice, Gd, sc.bf16_rows(), w, npan, sc.c_buf.data(), ldc);
         }
         for (int i = 0; i < m; ++i) {
           float* c = sc.c_buf.data() + i * ldc;
@@ -848,7 +866,8 @@ void MoeLayer::down(const Chunk& chunk, const WorkerContext& ctx) {
 // into bf16, or fp32 (out_f32).
 void MoeLayer::combine(const Chunk& chunk, const WorkerContext& ctx) {
   MoeWorkspace& ws = *workspace_;
-  const auto& [args, c0, Tc, E, K, P, G, H, Hp, Hy, Gh, int8_x, int8_h, gemm_q, gemm_a16] = chunk;
+  const auto& [args, c0, Tc, E, K, P, G, Gd, H, Hp, Hy, Gh, int8_x, int8_h, gemm_q, down_q, gemm_a16,
+               down_a16] = chunk;
   guarded(*runner_, ws.failed, [&] {
     thread_local std::vector<const float*> parts;
     thread_local std::vector<float> sum;

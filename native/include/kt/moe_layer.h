@@ -5,6 +5,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -32,7 +33,11 @@ struct MoeConfig {
   int64_t hidden = 0;
   int64_t intermediate = 0;
   Method method = Method::kBf16;
-  int group = 0;                    // 0: the method's default
+  int group = 0;  // 0: the method's default
+  // The down projection's method and group where they differ from gate/up's (a GGUF file stores
+  // each tensor in its own type); unset: gate/up's.
+  std::optional<Method> down_method;
+  int down_group = 0;
   int64_t max_chunk_tokens = 4096;  // prefill is computed in chunks of this many tokens
   GluConfig glu;
   // [num_experts], 1: the expert is held elsewhere (a GPU slot): no packed weights here, never
@@ -115,6 +120,8 @@ class MoeLayer {
   PackedSlice packed_slice(int pool) const;
   int num_pools() const { return static_cast<int>(pools_.size()); }
   int group() const { return group_; }
+  // Gate/up's method holds for down (fine-tuning reads both projections with one method).
+  bool one_method() const { return *config_.down_method == config_.method && config_.down_group == group_; }
   int64_t hidden_padded() const { return hidden_padded_; }
   int64_t intermediate_padded() const { return intermediate_padded_; }
   int64_t gate_up_block() const { return h_group(); }
@@ -144,7 +151,7 @@ class MoeLayer {
   std::shared_ptr<MoeWorkspace> workspace_;
   const KernelTable& table_;
   int group_;
-  int64_t hidden_padded_;  // K of gate/up, multiple of the group and of 64
+  int64_t hidden_padded_;  // K of gate/up, multiple of the groups and of 64
   // [E]: where expert e's packed weights are among the held ones, -1 when absent
   std::vector<int64_t> storage_;
   int64_t held_ = 0;
