@@ -53,10 +53,21 @@ def gguf_rows(qtype: Q, w: np.ndarray, seed: int = 0) -> np.ndarray:
     *lead, K = w.shape
     b = rng.integers(0, 256, (*lead, K // block, size), dtype=np.uint8)
     s = float(np.abs(w).mean())  # the weights' magnitude
-    d = {Q.IQ4_XS: s / 1024, Q.IQ4_NL: s / 64}  # w = d * (ls - 32) * kv, and w = d * kv (kv to 127)
-    if qtype not in d:
+    # (byte offset of an fp16 scale in the block, its value): the largest |w| a few times s
+    scales = {
+        Q.IQ4_NL: [(0, s / 64)],  # w = d * kv, |kv| <= 127
+        Q.IQ4_XS: [(0, s / 1024)],  # w = d * (ls - 32) * kv
+        Q.Q6_K: [(208, s / 2048)],  # w = d * sc * (q - 32), sc int8
+        Q.Q5_K: [(0, s / 1024), (2, s / 32)],  # w = d * sc * q - dmin * m, sc and m to 63, q to 31
+        Q.Q3_K: [(108, s / 64)],  # w = d * (sc - 32) * (q - 4)
+        Q.Q2_K: [(80, s / 24), (82, s / 8)],  # w = d * sc * q - dmin * m, sc and m to 15, q to 3
+    }
+    if qtype not in scales:
         raise AssertionError(f"no test quantizer for {qtype.name}")
-    b[..., 0:2] = np.full((*lead, K // block, 1), d[qtype], np.float32).astype(np.float16).view(np.uint8)
+    for at, value in scales[qtype]:
+        b[..., at : at + 2] = (
+            np.full((*lead, K // block, 1), value, np.float32).astype(np.float16).view(np.uint8)
+        )
     return b.reshape(*lead, -1)
 
 

@@ -33,11 +33,9 @@ def test_block_type_gives_llama_cpp_values(qtype):
     expected = llama_cpp_values(qtype, rows)
     bt = BLOCK_TYPES[qtype]
     got = dequantize(bt.method, bt.transcode(rows, K), K, bt.group).numpy()
-    if bt.exact:
+    assert np.abs(got - expected).max() <= bt.error * np.abs(expected).max()
+    if bt.error == 0.0:
         np.testing.assert_array_equal(got, expected)
-    else:  # a sub-block scale rounded to fp16 once, or a float rounded to bf16
-        bound = 2**-8 if qtype in (Q.F16, Q.F32) else 2**-10
-        assert np.abs(got - expected).max() <= bound * np.abs(expected).max()
 
 
 def write_model(
@@ -93,8 +91,9 @@ def llamafile_layer(path, isa: str | None = None, layer: int = 1, **kw) -> KTMoE
 
 # One type per engine method, the types users run most (Q4_K, Q8_0), and a layer whose gate/up and
 # down are computed by different methods (the K-quant mixes: Q4_K gate/up, a wider type for down).
-LAYER_TYPES = [(q, q, q) for q in (Q.Q8_0, Q.Q4_K, Q.Q4_0, Q.IQ4_XS, Q.MXFP4, Q.BF16)]
-LAYER_TYPES += [(Q.Q4_K, Q.Q4_K, Q.Q8_0), (Q.Q8_0, Q.Q8_0, Q.Q4_K), (Q.BF16, Q.BF16, Q.MXFP4)]
+LAYER_TYPES = [(q, q, q) for q in (Q.Q8_0, Q.Q4_K, Q.Q4_0, Q.IQ4_XS, Q.MXFP4, Q.BF16, Q.Q2_K, Q.Q5_K)]
+LAYER_TYPES += [(Q.Q4_K, Q.Q4_K, Q.Q6_K), (Q.Q3_K, Q.Q3_K, Q.Q5_K), (Q.Q8_0, Q.Q8_0, Q.Q4_K)]
+LAYER_TYPES += [(Q.BF16, Q.BF16, Q.MXFP4)]
 
 
 @pytest.mark.parametrize("isa", isa_params(("scalar", "avx2", "avx512", "amx")))
@@ -179,8 +178,8 @@ def test_physical_map_and_gpu_experts(tmp_path):
     "change, message",
     [
         (
-            {"types": dict.fromkeys(("gate", "up", "down"), Q.Q6_K)},
-            r"blk\.1\.ffn_gate_exps\.weight in model\.gguf is GGUF type Q6_K, which the CPU engine "
+            {"types": dict.fromkeys(("gate", "up", "down"), Q.IQ2_XS)},
+            r"blk\.1\.ffn_gate_exps\.weight in model\.gguf is GGUF type IQ2_XS, which the CPU engine "
             "does not compute",
         ),
         (
@@ -197,11 +196,11 @@ def test_physical_map_and_gpu_experts(tmp_path):
 def test_model_that_does_not_fit_is_refused(tmp_path, change, message):
     path = tmp_path / "model.gguf"
     types = change.pop("types", dict.fromkeys(("gate", "up", "down"), Q.Q8_0))
-    if types["gate"] == Q.Q6_K:  # zero blocks: no quantizer for it here
-        block, size = GGML_QUANT_SIZES[Q.Q6_K]
+    if types["gate"] == Q.IQ2_XS:  # zero blocks: no quantizer for it here
+        block, size = GGML_QUANT_SIZES[Q.IQ2_XS]
         shapes = {"gate": (I, H), "up": (I, H), "down": (H, I)}
         tensors = {
-            f"blk.1.ffn_{p}_exps.weight": (np.zeros((E, N, K // block * size), np.uint8), Q.Q6_K)
+            f"blk.1.ffn_{p}_exps.weight": (np.zeros((E, N, K // block * size), np.uint8), Q.IQ2_XS)
             for p, (N, K) in shapes.items()
         }
         write_gguf(path, "qwen3moe", tensors, {})

@@ -7,8 +7,10 @@ numpy twin) gives:
 - exactly, where the type is one: Q8_0, Q5_0, IQ4_NL -> AMXINT8 (int8 codes, fp16 scale per 32);
   Q4_0, Q4_1 -> AMXINT4 (nibbles, fp16 scale and min per 32); MXFP4 -> MXFP4; BF16 -> BF16;
 - with the sub-block scale ``d * sc`` (and min ``dmin * m``) rounded once to fp16 (relative 2^-11),
-  where a super-block scales 6-bit sub-block factors: Q4_K -> AMXINT4, IQ4_XS -> AMXINT8; F16/F32
-  are rounded to bf16.
+  where a super-block scales 6-bit sub-block factors: Q4_K -> AMXINT4 (groups of 32), Q2_K and Q3_K
+  -> AMXINT4 (16), Q6_K -> AMXINT8 (16), IQ4_XS -> AMXINT8 (32); F16/F32 are rounded to bf16;
+- requantized by the engine's INT8 quantizer from the file's values, where no layout holds 5-bit
+  codes with a min: Q5_1, Q5_K -> AMXINT8 (32; relative error about a quarter of the type's own).
 
 A type outside the table is refused by the format, naming the tensor and its type.
 
@@ -22,11 +24,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import gguf
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from kt_sglang.engine.canonical import CanonicalMatrix
+from kt_sglang.engine.canonical import CanonicalMatrix, quantize
 
 Q = GGMLQuantizationType
 # llama.cpp's non-linear 4-bit codebook (IQ4_NL, IQ4_XS)
@@ -40,7 +43,9 @@ class BlockType:
 
     method: str  # the engine method computing it (``--kt-method`` name)
     group: int  # that method's group size for it
-    exact: bool  # the canonical values are the file's, bit for bit
+    # the largest |canonical value - the file's value| over the largest |file's value|: 0 where the
+    # values are the file's; a scale rounded to fp16 once, 2^-10 at most
+    error: float
     transcode: Callable[[np.ndarray, int], CanonicalMatrix]  # (rows [N, bytes], K) -> matrix
 
 
@@ -160,6 +165,56 @@ def _iq4_xs(rows: np.ndarray, K: int) -> CanonicalMatrix:
     return _int8(IQ4_VALUES[codes], d * (ls.astype(np.float32) - 32))
 
 
+def _shifted_pairs(qs: np.ndarray, halves: int) -> np.ndarray:
+    """2-bit fields of Q2_K's and Q3_K's ``qs`` (``halves`` runs of 32 bytes): element
+    ``128 h + 32 j + l`` is bits ``2j..2j+1`` of byte ``32 h + l``."""
+    q = qs.reshape(*qs.shape[:-1], halves, 1, 32) >> (2 * np.arange(4, dtype=np.uint8)).reshape(4, 1)
+    return (q & 3).reshape(*qs.shape[:-1], halves * 128)
+
+
+def _q6_k(rows: np.ndarray, K: int) -> CanonicalMatrix:
+    b = _blocks(rows, Q.Q6_K)  # ql[128], qh[64], scales int8[16], d fp16; w = d * sc * (q - 32)
+    ql = b[..., 0:128].reshape(*b.shape[:2], 2, 64)
+    low = np.concatenate([ql & 0x0F, ql >> 4], axis=-1)  # per half of 128: 64 low nibbles, then 64 high
+    high = _shifted_pairs(b[..., 128:192], 2).reshape(*b.shape[:2], 2, 128)
+    q = (low | (high << 4)).astype(np.int16) - 32
+    sc = b[..., 192:208].view(np.int8).astype(np.float32)
+    return _int8(q, _f16(b[..., 208:210])[..., None] * sc)
+
+
+def _q3_k_scales(s: np.ndarray) -> np.ndarray:
+    """Q3_K's 12 bytes -> its 16 sub-blocks' 6-bit factors minus 32: low nibbles of bytes 0..7 for
+    sub-blocks 0..7, their high nibbles for 8..15; the two high bits from bytes 8..11."""
+    i = np.arange(16)
+    low = (s[..., i % 8] >> (4 * (i // 8)).astype(np.uint8)) & 0x0F
+    high = (s[..., 8 + i % 4] >> (2 * (i // 4)).astype(np.uint8)) & 3
+    return (low | (high << 4)).astype(np.float32) - 32
+
+
+def _q3_k(rows: np.ndarray, K: int) -> CanonicalMatrix:
+    b = _blocks(rows, Q.Q3_K)  # hmask[32], qs[64], scales[12], d fp16; w = d * sc * (q - 4 * !hbit)
+    low = _shifted_pairs(b[..., 32:96], 2)
+    hbit = (b[..., 0:32].reshape(*b.shape[:2], 1, 32) >> np.arange(8, dtype=np.uint8).reshape(8, 1)) & 1
+    codes = low + 4 * hbit.reshape(*b.shape[:2], 256)  # 0..7, standing for code - 4
+    scale = _f16(b[..., 108:110])[..., None] * _q3_k_scales(b[..., 96:108])
+    return _int4(codes, scale, -4 * scale)
+
+
+def _q2_k(rows: np.ndarray, K: int) -> CanonicalMatrix:
+    b = _blocks(rows, Q.Q2_K)  # scales[16] (sc | m << 4), qs[64], d, dmin fp16; w = d * sc * q - dmin * m
+    d, dmin = _f16(b[..., 80:82])[..., None], _f16(b[..., 82:84])[..., None]
+    scales = b[..., 0:16]
+    return _int4(_shifted_pairs(b[..., 16:80], 2), d * (scales & 0x0F), -(dmin * (scales >> 4)))
+
+
+def _requantized(qtype: Q, method: str, group: int) -> Callable[[np.ndarray, int], CanonicalMatrix]:
+    def transcode(rows: np.ndarray, K: int) -> CanonicalMatrix:
+        values = torch.from_numpy(gguf.quants.dequantize(np.ascontiguousarray(rows), qtype))
+        return quantize(method, values.reshape(rows.shape[0], K).contiguous(), group)
+
+    return transcode
+
+
 # ------------------------------------------------------------------------------------------------
 # Floats
 
@@ -175,20 +230,25 @@ def _floats(dtype: np.dtype) -> Callable[[np.ndarray, int], CanonicalMatrix]:
     return transcode
 
 
+FP16_SCALE = 2**-10  # a sub-block scale (or min) rounded to fp16 once: 2^-11 of it, at most twice
+INT8_REQUANTIZED = 1 / 254  # half a step of a symmetric int8 grid over the group's largest value
+BF16_ROUNDED = 2**-8
+
 BLOCK_TYPES: dict[Q, BlockType] = {
-    Q.Q8_0: BlockType("AMXINT8", 32, True, _q8_0),
-    Q.Q5_0: BlockType("AMXINT8", 32, True, _q5_0),
-    Q.IQ4_NL: BlockType("AMXINT8", 32, True, _iq4_nl),
-    Q.IQ4_XS: BlockType("AMXINT8", 32, False, _iq4_xs),
-    Q.Q4_0: BlockType("AMXINT4", 32, True, _q4_0),
-    Q.Q4_1: BlockType("AMXINT4", 32, True, _q4_1),
-    Q.Q4_K: BlockType("AMXINT4", 32, False, _q4_k),
-    Q.MXFP4: BlockType("MXFP4", 32, True, _mxfp4),
-    Q.BF16: BlockType("BF16", 64, True, _floats("bf16")),
-    Q.F16: BlockType("BF16", 64, False, _floats(np.dtype(np.float16))),
-    Q.F32: BlockType("BF16", 64, False, _floats(np.dtype(np.float32))),
+    Q.Q8_0: BlockType("AMXINT8", 32, 0.0, _q8_0),
+    Q.Q5_0: BlockType("AMXINT8", 32, 0.0, _q5_0),
+    Q.IQ4_NL: BlockType("AMXINT8", 32, 0.0, _iq4_nl),
+    Q.IQ4_XS: BlockType("AMXINT8", 32, FP16_SCALE, _iq4_xs),
+    Q.Q6_K: BlockType("AMXINT8", 16, FP16_SCALE, _q6_k),
+    Q.Q5_1: BlockType("AMXINT8", 32, INT8_REQUANTIZED, _requantized(Q.Q5_1, "AMXINT8", 32)),
+    Q.Q5_K: BlockType("AMXINT8", 32, INT8_REQUANTIZED, _requantized(Q.Q5_K, "AMXINT8", 32)),
+    Q.Q4_0: BlockType("AMXINT4", 32, 0.0, _q4_0),
+    Q.Q4_1: BlockType("AMXINT4", 32, 0.0, _q4_1),
+    Q.Q4_K: BlockType("AMXINT4", 32, FP16_SCALE, _q4_k),
+    Q.Q3_K: BlockType("AMXINT4", 16, FP16_SCALE, _q3_k),
+    Q.Q2_K: BlockType("AMXINT4", 16, FP16_SCALE, _q2_k),
+    Q.MXFP4: BlockType("MXFP4", 32, 0.0, _mxfp4),
+    Q.BF16: BlockType("BF16", 64, 0.0, _floats("bf16")),
+    Q.F16: BlockType("BF16", 64, BF16_ROUNDED, _floats(np.dtype(np.float16))),
+    Q.F32: BlockType("BF16", 64, BF16_ROUNDED, _floats(np.dtype(np.float32))),
 }
-
-
-def block_type(qtype: Q) -> BlockType | None:
-    return BLOCK_TYPES.get(qtype)

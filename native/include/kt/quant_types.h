@@ -80,7 +80,7 @@ struct MethodTraits {
   const char* aliases[2];
   const char* summary;    // one line for --help and docs
   int default_group;      // K-values per scale group; BF16 has no scales (group = kKAlign)
-  int allowed_groups[3];  // 0 = unused slot
+  int allowed_groups[4];  // 0 = unused slot
   // What gate/up and the down projection read. INT8 keeps a bf16 h: an int8 h raises its error from
   // 0.014 to 0.017 at groups of 64. INT4 takes int8: the same ~0.01 adds little to its own 0.14 in
   // quadrature, and its bf16-input kernel needs four vpdpwssd per 64 bytes of weights where the
@@ -140,7 +140,7 @@ inline constexpr MethodTraits kMethodTable[kNumMethods] = {
      .aliases = {"INT8", "MOE_INT8"},
      .summary = "int8 weights, fp16 scale per group of K",
      .default_group = 64,
-     .allowed_groups = {32, 64, 128},
+     .allowed_groups = {16, 32, 64, 128},
      .gate_up_input = Activation::kInt8,
      .down_input = Activation::kBf16,
      .gate_up_input_per_row = false,
@@ -159,7 +159,7 @@ inline constexpr MethodTraits kMethodTable[kNumMethods] = {
      .aliases = {"INT4", "MOE_INT4"},
      .summary = "int4 weights, fp16 scale and min per group of K",
      .default_group = 64,
-     .allowed_groups = {32, 64, 128},
+     .allowed_groups = {16, 32, 64, 128},
      .gate_up_input = Activation::kInt8,
      .down_input = Activation::kInt8,
      .gate_up_input_per_row = true,

@@ -28,7 +28,7 @@ template <class F>
 inline void with_group(int group, F&& f) {
   using std::integral_constant;
   switch (group) {
-    case 16:  // NVFP4 (its A16 kernels only)
+    case 16:  // NVFP4; the GGUF K-quants of 16-value sub-blocks (Q2_K, Q3_K, Q6_K)
       return f(integral_constant<int, 16>{});
     case 32:
       return f(integral_constant<int, 32>{});
