@@ -7,8 +7,9 @@ from pathlib import Path
 
 import gguf
 import numpy as np
-from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
+
+from kt_sglang.weights.gguf_blocks import random_rows
 
 
 def quantize_q4_k(w: np.ndarray) -> np.ndarray:
@@ -39,7 +40,7 @@ def quantize_q4_k(w: np.ndarray) -> np.ndarray:
 def gguf_rows(qtype: Q, w: np.ndarray, seed: int = 0) -> np.ndarray:
     """``w [..., N, K]`` float32 as the GGUF type's rows ``uint8 [..., N, bytes]``: quantized where the
     gguf package (or ``quantize_q4_k``) has a quantizer, else random codes under scales of w's
-    magnitude (the types llama.cpp's Python side only decodes)."""
+    magnitude (``random_rows``: the types llama.cpp's Python side only decodes)."""
     if qtype in (Q.F16, Q.F32):
         return w.astype(np.float16 if qtype == Q.F16 else np.float32).view(np.uint8)
     if qtype == Q.Q4_K:
@@ -48,27 +49,7 @@ def gguf_rows(qtype: Q, w: np.ndarray, seed: int = 0) -> np.ndarray:
         return gguf.quants.quantize(w, qtype).view(np.uint8)
     except NotImplementedError:
         pass
-    block, size = GGML_QUANT_SIZES[qtype]
-    rng = np.random.default_rng(seed)
-    *lead, K = w.shape
-    b = rng.integers(0, 256, (*lead, K // block, size), dtype=np.uint8)
-    s = float(np.abs(w).mean())  # the weights' magnitude
-    # (byte offset of an fp16 scale in the block, its value): the largest |w| a few times s
-    scales = {
-        Q.IQ4_NL: [(0, s / 64)],  # w = d * kv, |kv| <= 127
-        Q.IQ4_XS: [(0, s / 1024)],  # w = d * (ls - 32) * kv
-        Q.Q6_K: [(208, s / 2048)],  # w = d * sc * (q - 32), sc int8
-        Q.Q5_K: [(0, s / 1024), (2, s / 32)],  # w = d * sc * q - dmin * m, sc and m to 63, q to 31
-        Q.Q3_K: [(108, s / 64)],  # w = d * (sc - 32) * (q - 4)
-        Q.Q2_K: [(80, s / 24), (82, s / 8)],  # w = d * sc * q - dmin * m, sc and m to 15, q to 3
-    }
-    if qtype not in scales:
-        raise AssertionError(f"no test quantizer for {qtype.name}")
-    for at, value in scales[qtype]:
-        b[..., at : at + 2] = (
-            np.full((*lead, K // block, 1), value, np.float32).astype(np.float16).view(np.uint8)
-        )
-    return b.reshape(*lead, -1)
+    return random_rows(qtype, w.shape, float(np.abs(w).mean()), seed)
 
 
 def llama_cpp_values(qtype: Q, rows: np.ndarray) -> np.ndarray:

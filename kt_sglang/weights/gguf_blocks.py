@@ -252,3 +252,33 @@ BLOCK_TYPES: dict[Q, BlockType] = {
     Q.F16: BlockType("BF16", 64, BF16_ROUNDED, _floats(np.dtype(np.float16))),
     Q.F32: BlockType("BF16", 64, BF16_ROUNDED, _floats(np.dtype(np.float32))),
 }
+
+
+# Where random blocks (``random_rows``) put their fp16 scales: (byte offset in the block, scale over
+# the weights' mean magnitude s) such that the largest |w| is a few times s.
+_RANDOM_SCALES = {
+    Q.Q8_0: [(0, 1 / 64)],  # w = d * q, |q| <= 127
+    Q.Q4_0: [(0, 1 / 4)],  # w = d * (q - 8)
+    Q.IQ4_NL: [(0, 1 / 64)],  # w = d * kv, |kv| <= 127
+    Q.IQ4_XS: [(0, 1 / 1024)],  # w = d * (ls - 32) * kv
+    Q.Q6_K: [(208, 1 / 2048)],  # w = d * sc * (q - 32), sc int8
+    Q.Q4_K: [(0, 1 / 128), (2, 1 / 16)],  # w = d * sc * q - dmin * m, sc and m to 63, q to 15
+    Q.Q5_K: [(0, 1 / 1024), (2, 1 / 32)],  # the same, q to 31
+    Q.Q3_K: [(108, 1 / 64)],  # w = d * (sc - 32) * (q - 4)
+    Q.Q2_K: [(80, 1 / 24), (82, 1 / 8)],  # w = d * sc * q - dmin * m, sc and m to 15, q to 3
+}
+
+
+def random_rows(qtype: Q, shape: tuple[int, ...], magnitude: float, seed: int = 0) -> np.ndarray:
+    """Random blocks of ``qtype`` for a ``[..., K]`` matrix of weights about ``magnitude`` in size:
+    random codes under fixed scales (benchmarks; the types the gguf package cannot quantize)."""
+    if qtype not in _RANDOM_SCALES:
+        raise ValueError(
+            f"no random blocks for {qtype.name}; types: {', '.join(t.name for t in _RANDOM_SCALES)}"
+        )
+    block, size = GGML_QUANT_SIZES[qtype]
+    *lead, K = shape
+    b = np.random.default_rng(seed).integers(0, 256, (*lead, K // block, size), dtype=np.uint8)
+    for at, factor in _RANDOM_SCALES[qtype]:
+        b[..., at : at + 2] = np.array([magnitude * factor], np.float16).view(np.uint8)
+    return b.reshape(*lead, -1)

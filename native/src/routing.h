@@ -1,4 +1,4 @@
-// The routing both task kinds share (MoeLayer::route in moe_layer.cpp, the fine-tuning forward's
+// The routing both task kinds share (MoeLayer::route in moe_forward.cpp, the fine-tuning forward's
 // route step in lora_forward.cpp): a chunk of tokens' (token, slot) pairs computed here, grouped by
 // expert into rows.
 #pragma once

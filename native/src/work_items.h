@@ -1,4 +1,4 @@
-// How the layer's tasks deal out their work (moe_layer.cpp, the fine-tuning steps of lora_steps.h):
+// How the layer's tasks deal out their work (moe_forward.cpp, the fine-tuning steps of lora_steps.h):
 // every worker takes items from a shared counter, and a failure lets the others reach the task's
 // barriers.
 #pragma once

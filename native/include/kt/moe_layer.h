@@ -133,7 +133,7 @@ class MoeLayer {
  private:
   void pack_expert(int slot, const CanonicalMatrix& gate, const CanonicalMatrix& up,
                    const CanonicalMatrix& down);
-  // The forward task and its steps (moe_layer.cpp), in the order they run per chunk of tokens.
+  // The forward task and its steps (moe_forward.cpp), in the order they run per chunk of tokens.
   struct Chunk;
   void forward_task(const ForwardArgs& args, const WorkerContext& ctx);
   void route(const Chunk& chunk);  // worker 0
