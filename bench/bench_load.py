@@ -5,8 +5,9 @@
 
 Writes a Qwen3-30B-A3B-shaped checkpoint (bf16, per-expert tensors; H 2048, I 768, 128 experts, top-8;
 ``--shape`` for others) and
-its `kt-sglang convert-cpu` directory, then loads every MoE layer in a fresh process for each source
-(the checkpoint quantized on load; the converted directory) and share of hot experts, twice: with the
+its `kt-sglang convert-cpu` directory, and a GGUF file of the same shape (``--gguf-type``, random
+blocks), then loads every MoE layer in a fresh process for each source (the checkpoint quantized on
+load; the converted directory; the GGUF through LLAMAFILE) and share of hot experts, twice: with the
 files dropped from the page cache (cold; needs root, else reported as warm) and again (warm). Reports
 per case the load time, the peak (sampled every 2 ms) and final anonymous memory above the
 process's before loading (the mapped files' pages are the page cache's, not the engine's), and the
@@ -81,6 +82,27 @@ def write_checkpoint(path: Path, layers: int, H: int, I: int, E: int) -> None:
         save_file(tensors, str(path / f"model-{layer:05d}.safetensors"))
 
 
+def write_gguf(path: Path, qtype_name: str, layers: int, H: int, I: int, E: int) -> None:
+    """The same experts' shapes as a GGUF file (Qwen3-MoE names), random blocks of the type."""
+    from gguf import GGMLQuantizationType, GGUFWriter
+
+    from kt_sglang.weights.gguf_blocks import random_rows
+
+    qtype = GGMLQuantizationType[qtype_name]
+    w = GGUFWriter(path, "qwen3moe")
+    w.add_expert_count(E)
+    w.add_embedding_length(H)
+    w.add_expert_feed_forward_length(I)
+    for layer in range(layers):
+        for proj, (N, k) in (("gate", (I, H)), ("up", (I, H)), ("down", (H, I))):
+            rows = random_rows(qtype, (E, N, k), k**-0.5, seed=3 * layer + len(proj))
+            w.add_tensor(f"blk.{layer}.ffn_{proj}_exps.weight", rows, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def drop_page_cache() -> bool:
     try:
         os.sync()
@@ -99,6 +121,7 @@ def main() -> None:
         "--workdir", type=Path, help="where the checkpoint and its conversion go (default: a temp dir)"
     )
     p.add_argument("--shape", type=int, nargs=3, default=QWEN3_30B, metavar=("H", "I", "E"))
+    p.add_argument("--gguf-type", default="Q4_K", help="the GGUF file's block type (LLAMAFILE)")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     H, I, E = args.shape
@@ -112,8 +135,16 @@ def main() -> None:
         convert_cpu(
             ["--input-path", str(checkpoint), "--output", str(converted), "--quant-method", args.method]
         )
+    gguf = work / f"experts-{args.gguf_type}.gguf"
+    if not gguf.exists():
+        write_gguf(gguf, args.gguf_type, args.layers, H, I, E)
     rows = []
-    for source, path in (("checkpoint, quantized on load", checkpoint), ("converted directory", converted)):
+    sources = (
+        ("checkpoint, quantized on load", checkpoint, args.method),
+        ("converted directory", converted, args.method),
+        (f"GGUF {args.gguf_type}", gguf, "LLAMAFILE"),
+    )
+    for source, path, method in sources:
         for hot in args.hot:
             for cache in ("cold", "warm"):
                 dropped = cache == "cold" and drop_page_cache()
@@ -123,14 +154,18 @@ def main() -> None:
                     "-c",
                     _PROBE,
                     str(path),
-                    args.method,
+                    method,
                     str(hot),
                     json.dumps(list(range(args.layers))),
                     shape,
                 ]
                 r = subprocess.run(cmd, capture_output=True, text=True, check=True)
                 m = json.loads(r.stdout.strip().splitlines()[-1])
-                files = sum(f.stat().st_size for f in path.iterdir() if f.suffix == ".safetensors")
+                files = (
+                    path.stat().st_size
+                    if path.is_file()
+                    else sum(f.stat().st_size for f in path.iterdir() if f.suffix == ".safetensors")
+                )
                 rows.append({
                     "source": source, "hot_fraction": hot, "cache": "cold" if dropped else "warm",
                     "seconds": m["seconds"], "seconds_per_gb": m["seconds"] / (files / 1e9),

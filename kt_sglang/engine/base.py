@@ -164,14 +164,22 @@ class BaseMoEWrapper:
 
     def load_canonical(
         self,
-        gate: list[CanonicalMatrix],
-        up: list[CanonicalMatrix],
-        down: list[CanonicalMatrix],
+        gate: list[CanonicalMatrix | None],
+        up: list[CanonicalMatrix | None],
+        down: list[CanonicalMatrix | None],
+        *,
+        partial: bool = False,
     ) -> None:
         """Packs already-quantized canonical matrices (one per expert slot; see engine/canonical.py;
-        None, or anything, for the experts of ``gpu_experts_mask``: they are not read)."""
+        None, or anything, for the experts of ``gpu_experts_mask``: they are not read). With
+        ``partial``, a held slot given None in all three is left as it is: a layer loaded a few
+        experts a call (every held slot must be loaded once before a forward)."""
         E, I, H = self.num_experts, self.moe_intermediate_size, self.hidden_size
         down_method, down_group = self.down_method, self.down_group_size
+        skipped = [
+            not self.holds(e) or (partial and gate[e] is None and up[e] is None and down[e] is None)
+            for e in range(min(E, len(gate), len(up), len(down)))
+        ]
         ptrs = {}
         for name, mats, method, group, N, K in (
             ("gate", gate, self.method, self.group_size, I, H),
@@ -181,10 +189,10 @@ class BaseMoEWrapper:
             if len(mats) != E:
                 raise ValueError(f"{name} has {len(mats)} matrices; num_experts is {E}")
             ptrs[name] = [
-                (0, 0, 0) if not self.holds(e) else check_matrix(m, method, group, N, K, f"{name}[{e}]")
+                (0, 0, 0) if skipped[e] else check_matrix(m, method, group, N, K, f"{name}[{e}]")
                 for e, m in enumerate(mats)
             ]
-        self._layer.load_canonical(ptrs["gate"], ptrs["up"], ptrs["down"])
+        self._layer.load_canonical(ptrs["gate"], ptrs["up"], ptrs["down"], partial)
 
     def load_biases(
         self,

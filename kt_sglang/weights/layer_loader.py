@@ -5,6 +5,7 @@ quantized on load a few experts at a time). Only the experts of the layer's held
 
 from __future__ import annotations
 
+import ctypes
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -19,9 +20,10 @@ from kt_sglang.weights.source import CheckpointError
 if TYPE_CHECKING:
     from kt_sglang.engine.wrapper import KTMoEWrapper
 
-# Dense expert weights read per step when a checkpoint is quantized at load: the transient copies stay
-# this small, whatever the layer's size.
+# Dense expert weights read per step when a checkpoint is quantized at load, and canonical matrices
+# transcoded per step from a GGUF file: the transient copies stay this small, whatever the layer's size.
 DENSE_STEP_BYTES = 256 * 2**20
+GGUF_STEP_BYTES = 64 * 2**20
 
 
 def load_layer(layer: KTMoEWrapper, physical_to_logical_map) -> None:
@@ -139,7 +141,28 @@ def _load_gguf(layer: KTMoEWrapper, physical_to_logical_map) -> None:
     model = open_gguf(layer.weight_path)
     model.check_layer(layer.layer_idx, layer.num_experts, layer.hidden_size, layer.moe_intermediate_size)
     needed, positions = _read_plan(layer, physical_to_logical_map, layer.num_experts)
-    _load_read(layer, model.read_experts(layer.layer_idx, needed), positions)
+    if not needed:  # every expert on the GPU: nothing to read
+        _load_read(layer, ([], [], []), positions)
+    step = max(1, GGUF_STEP_BYTES // (3 * layer.hidden_size * layer.moe_intermediate_size))  # ~1 B a weight
+    for first in range(0, len(needed), step):  # a few experts at a time
+        chunk = model.read_experts(layer.layer_idx, needed[first : first + step])
+        picked = [
+            p - first if layer.holds(e) and first <= p < first + step else None
+            for e, p in enumerate(positions)
+        ]
+        layer.load_canonical(
+            *([m[p] if p is not None else None for p in picked] for m in chunk), partial=True
+        )
+    release_freed_memory()
+
+
+def release_freed_memory() -> None:
+    """Hands the heap's freed pages back to the system (glibc keeps what a load's transient copies
+    freed: a GGUF layer's canonical matrices left ~1.2x its packed bytes resident otherwise)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # another C library: nothing to hand back this way
+        pass
 
 
 def _merge_adapter(layer: KTMoEWrapper, experts: list[int], num_experts: int, gate, up, down):

@@ -351,22 +351,25 @@ PYBIND11_MODULE(_native, m) {
              l.load_dense(ptr<void>(gate), ptr<void>(up), ptr<void>(down), dtype, source_experts,
                           slot_to_source);
            })
-      .def("load_canonical",
-           [](MoeLayer& l, const std::vector<std::tuple<uintptr_t, uintptr_t, uintptr_t>>& gate,
-              const std::vector<std::tuple<uintptr_t, uintptr_t, uintptr_t>>& up,
-              const std::vector<std::tuple<uintptr_t, uintptr_t, uintptr_t>>& down) {
-             const MoeConfig& c = l.config();
-             auto build = [&](const auto& src, Method method, int group, int64_t N, int64_t K) {
-               std::vector<CanonicalMatrix> out;
-               for (const auto& [w, s, mn] : src) out.push_back(canonical(method, N, K, group, w, s, mn));
-               return out;
-             };
-             auto g = build(gate, c.method, c.group, c.intermediate, c.hidden);
-             auto u = build(up, c.method, c.group, c.intermediate, c.hidden);
-             auto d = build(down, *c.down_method, c.down_group, c.hidden, c.intermediate);
-             py::gil_scoped_release release;
-             l.load_canonical(g, u, d);
-           })
+      .def(
+          "load_canonical",
+          [](MoeLayer& l, const std::vector<std::tuple<uintptr_t, uintptr_t, uintptr_t>>& gate,
+             const std::vector<std::tuple<uintptr_t, uintptr_t, uintptr_t>>& up,
+             const std::vector<std::tuple<uintptr_t, uintptr_t, uintptr_t>>& down, bool partial) {
+            const MoeConfig& c = l.config();
+            auto build = [&](const auto& src, Method method, int group, int64_t N, int64_t K) {
+              std::vector<CanonicalMatrix> out;
+              for (const auto& [w, s, mn] : src) out.push_back(canonical(method, N, K, group, w, s, mn));
+              return out;
+            };
+            auto g = build(gate, c.method, c.group, c.intermediate, c.hidden);
+            auto u = build(up, c.method, c.group, c.intermediate, c.hidden);
+            auto d = build(down, *c.down_method, c.down_group, c.hidden, c.intermediate);
+            py::gil_scoped_release release;
+            l.load_canonical(g, u, d, partial);
+          },
+          py::arg("gate"), py::arg("up"), py::arg("down"), py::arg("partial") = false,
+          "partial: a held slot of null pointers is left as it is (a few experts a call)")
       .def(
           "submit_forward",
           [](MoeLayer& l, int64_t tokens, uintptr_t tokens_ptr, uintptr_t hidden, uintptr_t ids,

@@ -215,7 +215,7 @@ void MoeLayer::load_dense(const void* gate, const void* up, const void* down, DT
 
 void MoeLayer::load_canonical(const std::vector<CanonicalMatrix>& gate,
                               const std::vector<CanonicalMatrix>& up,
-                              const std::vector<CanonicalMatrix>& down) {
+                              const std::vector<CanonicalMatrix>& down, bool partial) {
   const int64_t E = config_.num_experts, I = config_.intermediate, H = config_.hidden;
   if (static_cast<int64_t>(gate.size()) != E || static_cast<int64_t>(up.size()) != E ||
       static_cast<int64_t>(down.size()) != E)
@@ -227,8 +227,12 @@ void MoeLayer::load_canonical(const std::vector<CanonicalMatrix>& gate,
                                   method_traits(method).name + ", shape [" + std::to_string(N) + ", " +
                                   std::to_string(K) + "], group " + std::to_string(group) + ")");
   };
+  // Not read: the experts held elsewhere, and (partial) those this call leaves as they are.
+  auto skipped = [&](int64_t e) {
+    return storage_[e] < 0 || (partial && !gate[e].weight && !up[e].weight && !down[e].weight);
+  };
   for (int64_t e = 0; e < E; ++e) {
-    if (storage_[e] < 0) continue;  // held elsewhere: its matrices are not read
+    if (skipped(e)) continue;
     check(gate[e], config_.method, group_, I, H, "gate");
     check(up[e], config_.method, group_, I, H, "up");
     check(down[e], *config_.down_method, config_.down_group, H, I, "down");
@@ -237,7 +241,7 @@ void MoeLayer::load_canonical(const std::vector<CanonicalMatrix>& gate,
   counter.store(0);
   runner_->run([&](const WorkerContext&) {
     for_each_item(counter, E, [&](int64_t e) {
-      if (storage_[e] < 0) return;
+      if (skipped(e)) return;
       with_context(e, "gate", [&] { check_finite(gate[e]); });
       with_context(e, "up", [&] { check_finite(up[e]); });
       with_context(e, "down", [&] { check_finite(down[e]); });

@@ -85,9 +85,11 @@ class MoeLayer {
   // loads a few experts a call). Quantized and packed in parallel on the pools; blocks until done.
   void load_dense(const void* gate, const void* up, const void* down, DType dtype, int64_t source_experts,
                   const std::vector<int64_t>& slot_to_source);
-  // Already-quantized canonical matrices, one per slot and projection (see quantize.h).
+  // Already-quantized canonical matrices, one per slot and projection (see quantize.h). With
+  // `partial`, a held slot whose three matrices have no weights is left as it is, so that a layer
+  // loads a few experts a call (every held slot must be loaded once before a forward).
   void load_canonical(const std::vector<CanonicalMatrix>& gate, const std::vector<CanonicalMatrix>& up,
-                      const std::vector<CanonicalMatrix>& down);
+                      const std::vector<CanonicalMatrix>& down, bool partial = false);
   // Expert biases, fp32 and one row per slot: added to gate [E, I] and up [E, I] before the
   // activation and to the down projection's output [E, H] before the routing weight (gpt-oss).
   // Any may be null (no bias). Throws naming the tensor, row and column of a non-finite value.
