@@ -269,3 +269,27 @@ def test_the_gpus_experts_are_neither_read_nor_held(tmp_path, method):
     assert relative_error(dense.forward(x, ids, wts), ref) <= bound
     with pytest.raises(CheckpointError):
         KTMoEWrapper(1, E, K, H, I, None, 2, 1, weight_path=str(partial), method=method).load_weights()
+
+
+@pytest.mark.parametrize("layout", ["safetensors", "raw"])
+def test_a_kt_kernel_conversion_is_named(tmp_path, layout):
+    """kt-kernel's convert_cpu_weights.py output (its packed AMX/AOCL experts per NUMA shard): named,
+    with what to point --kt-weight-path at instead."""
+    if layout == "safetensors":
+        tensors = {
+            f"blk.1.ffn_{p}_exps.{e}.numa.0.{t}": torch.zeros(64, dtype=torch.int8)
+            for p in ("gate", "up", "down")
+            for e in range(E)
+            for t in ("weight", "scale")
+        }
+        path = write_checkpoint(tmp_path / "converted", qwen_config(), tensors)
+    else:
+        path = tmp_path / "converted"
+        (path / "_layer_1" / "_numa_0").mkdir(parents=True)
+        (path / "_layer_1" / "_numa_0" / "MOE_INT8_up_0_64Byte_quant_.kt").write_bytes(bytes(64))
+        (path / "config.json").write_text(json.dumps(qwen_config()))
+    layer = KTMoEWrapper(1, E, K, H, I, None, 1, 1, weight_path=str(path), method="MOE_INT8")
+    with pytest.raises(
+        CheckpointError, match=r"written by kt-kernel's convert_cpu_weights\.py.*kt-sglang convert-cpu"
+    ):
+        layer.load_weights()

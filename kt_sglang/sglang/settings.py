@@ -355,6 +355,8 @@ def check_against_model(settings: KtSettings, model_path: str) -> None:
             ckpt = open_checkpoint(path)
             ckpt.verify_files()
             spec = ckpt.spec
+            if spec.moe_layers:  # experts the readers know (a kt-kernel conversion is named now)
+                ckpt.layer_format(spec.moe_layers[0])
             where = path / "config.json"
             theirs = (spec.num_experts, spec.hidden_size, spec.intermediate_size)
     except KtSettingsError:
