@@ -433,7 +433,10 @@ def test_no_gpu_without_device_cpu_says_what_to_add(qwen, tmp_path):
 def test_weight_path_missing_or_for_another_model(qwen, mixtral, tmp_path):
     model_dir, _ = qwen
     r = _launch_error([str(model_dir), "--kt-weight-path", str(tmp_path / "nowhere")])
-    assert r.returncode == 2 and "is not a directory" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 2 and "nowhere does not exist" in r.stderr and "Traceback" not in r.stderr
+    (tmp_path / "file.bin").write_bytes(b"x")
+    r = _launch_error([str(model_dir), "--kt-weight-path", str(tmp_path / "file.bin")])
+    assert r.returncode == 2 and "file.bin is not a directory" in r.stderr and "Traceback" not in r.stderr
     other = write_tiny_moe(tmp_path / "other", TinyMoESpec(hidden_size=96))
     r = _launch_error([str(model_dir), "--kt-weight-path", str(other)])
     assert r.returncode == 2 and "is for another model" in r.stderr, r.stderr[-2000:]
