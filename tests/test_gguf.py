@@ -16,6 +16,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf_files import gguf_rows, llama_cpp_values, write_gguf
 
 from kt_sglang.engine import KTMoEWrapper
+from kt_sglang.engine.activation import Glu
 from kt_sglang.engine.canonical import dequantize
 from kt_sglang.engine.reference import moe_reference, relative_error
 from kt_sglang.weights.gguf import GgufModel
@@ -46,9 +47,12 @@ def write_model(
     split_max_tensors: int = 0,
     experts: int = E,
     metadata: dict[str, int] | None = None,
+    arch: str = "qwen3moe",
+    biases: bool = False,
 ) -> dict[int, dict[str, np.ndarray]]:
-    """A Qwen3-MoE GGUF model at ``path`` (``types``: gate, up, down); returns each layer's float32
-    values as llama.cpp decodes them."""
+    """A MoE GGUF model of ``arch`` at ``path`` (``types``: gate, up, down; gpt-oss's expert biases
+    with ``biases``); returns each layer's float32 values as llama.cpp decodes them (and the biases,
+    as ``gate_bias``...)."""
     meta = {"expert_count": experts, "expert_used_count": TOP_K, "embedding_length": H}
     meta |= {"expert_feed_forward_length": I, "block_count": max(layers) + 1} | (metadata or {})
     tensors, values = {}, {}
@@ -68,7 +72,11 @@ def write_model(
             for proj in ("gate", "up"):
                 tensors[f"blk.{layer}.ffn_{proj}_exps.weight"] = (rows[proj], types[proj])
         tensors[f"blk.{layer}.ffn_down_exps.weight"] = (rows["down"], types["down"])
-    write_gguf(path, "qwen3moe", tensors, meta, split_max_tensors)
+        for proj, n in (("gate", I), ("up", I), ("down", H)) if biases else ():
+            b = gen.standard_normal((experts, n)).astype(np.float32) * 0.1
+            tensors[f"blk.{layer}.ffn_{proj}_exps.bias"] = (b.view(np.uint8), Q.F32)
+            values[layer][f"{proj}_bias"] = b
+    write_gguf(path, arch, tensors, meta, split_max_tensors)
     return values
 
 
@@ -116,6 +124,26 @@ def test_layer_against_float32_moe(tmp_path, types, isa):
     int8 = layer.method.info.int8_activations or layer.down_method.info.int8_h
     bound = 0.02 if int8 else 0.01
     assert relative_error(out, moe_reference(x, gate, up, down, ids, weights)) <= bound
+
+
+def test_gpt_oss_swiglu_and_biases(tmp_path):
+    """gpt-oss: MXFP4 experts with biases, computed with the activation llama.cpp gives the
+    architecture (SwiGLU, alpha 1.702, clamped at 7)."""
+    path = tmp_path / "gpt-oss.gguf"
+    values = write_model(path, dict.fromkeys(("gate", "up", "down"), Q.MXFP4), arch="gpt-oss", biases=True)[1]
+    layer = llamafile_layer(path)
+    assert layer.activation == Glu("swiglu_oai", 7.0, 1.702)
+    layer.load_weights()
+    x = make_hidden(9, H)
+    ids, weights = make_routing(9, E, TOP_K)
+    t = {name: torch.from_numpy(v) for name, v in values.items()}
+    biases = (t["gate_bias"], t["up_bias"], t["down_bias"])
+    ref = moe_reference(
+        x, t["gate"], t["up"], t["down"], ids, weights, activation=layer.activation, biases=biases
+    )
+    assert relative_error(layer.forward(x, ids, weights), ref) <= 0.01
+    with pytest.raises(CheckpointError, match="gpt-oss experts use the activation"):
+        llamafile_layer(path, activation=Glu("silu")).load_weights()
 
 
 def test_known_weights_round_trip(tmp_path):

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
 
+from kt_sglang.engine.activation import SILU, Glu
 from kt_sglang.engine.canonical import CanonicalMatrix
 from kt_sglang.weights.gguf_blocks import BLOCK_TYPES, BlockType
 from kt_sglang.weights.source import CheckpointError, unreadable
@@ -29,6 +30,9 @@ _SPLIT = re.compile(r"^(?P<stem>.*)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$"
 _EXPERTS = {"gate": "blk.{layer}.ffn_gate_exps.weight", "up": "blk.{layer}.ffn_up_exps.weight"}
 _DOWN = "blk.{layer}.ffn_down_exps.weight"
 _GATE_UP = "blk.{layer}.ffn_gate_up_exps.weight"  # gate rows, then up rows
+# The experts' activation by GGUF architecture, as llama.cpp computes it (its graph fixes gpt-oss's
+# alpha and clamp); SiLU for the others.
+_ACTIVATIONS = {"gpt-oss": Glu("swiglu_oai", 7.0, 1.702)}
 
 
 def is_gguf(path: str | Path) -> bool:
@@ -133,6 +137,10 @@ class GgufModel:
         """``{architecture}.{key}``, e.g. ``expert_count``."""
         return self.metadata(f"{self.architecture}.{key}")
 
+    def activation(self) -> Glu:
+        """The experts' activation, as llama.cpp computes this architecture's."""
+        return _ACTIVATIONS.get(self.architecture, SILU)
+
     def has(self, name: str) -> bool:
         return name in self._tensors
 
@@ -225,6 +233,24 @@ class GgufModel:
                 "together, in one method"
             )
         return gate, down
+
+    def read_biases(self, layer: int, experts: list[int]) -> tuple[np.ndarray | None, ...]:
+        """gate, up ``[n, I]`` and down ``[n, H]`` float32 biases of ``experts`` (gpt-oss's
+        ``blk.N.ffn_*_exps.bias``); None where the model has none."""
+        out = []
+        for proj in ("gate", "up", "down"):
+            name = f"blk.{layer}.ffn_{proj}_exps.bias"
+            if not self.has(name):
+                out.append(None)
+                continue
+            file, t = self._tensors[name]
+            if GGMLQuantizationType(t.tensor_type) != GGMLQuantizationType.F32 or len(t.shape) != 2:
+                raise CheckpointError(
+                    f"tensor {name} in {file.name} is {GGMLQuantizationType(t.tensor_type).name} of "
+                    f"{[int(d) for d in t.shape]}; expected F32 [N, experts]"
+                )
+            out.append(np.asarray(t.data, dtype=np.float32)[experts])
+        return tuple(out)
 
     def read_experts(self, layer: int, experts: list[int]) -> tuple[list[CanonicalMatrix], ...]:
         """gate, up, down canonical matrices of ``experts``, each in its GGUF type's engine method."""

@@ -9,6 +9,8 @@ import ctypes
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
+
 from kt_sglang.engine.activation import SILU, Glu
 from kt_sglang.engine.methods import METHODS
 from kt_sglang.weights import formats
@@ -139,6 +141,12 @@ def _load_gguf(layer: KTMoEWrapper, physical_to_logical_map) -> None:
             "adapter is merged into dense weights before quantizing: use a method the engine quantizes to"
         )
     model = open_gguf(layer.weight_path)
+    if model.activation() != layer.activation:
+        raise CheckpointError(
+            f"{model.files[0]}: {model.architecture} experts use the activation {model.activation()}, "
+            f"which conflicts with activation={layer.activation} given to the layer (leave it out to take "
+            "the file's)"
+        )
     model.check_layer(layer.layer_idx, layer.num_experts, layer.hidden_size, layer.moe_intermediate_size)
     needed, positions = _read_plan(layer, physical_to_logical_map, layer.num_experts)
     if not needed:  # every expert on the GPU: nothing to read
@@ -154,6 +162,9 @@ def _load_gguf(layer: KTMoEWrapper, physical_to_logical_map) -> None:
             *([m[p] if p is not None else None for p in picked] for m in chunk), partial=True
         )
     release_freed_memory()
+    biases = model.read_biases(layer.layer_idx, needed) if needed else (None, None, None)
+    if any(b is not None for b in biases):
+        layer.load_biases(*(torch.from_numpy(b) if b is not None else None for b in biases), positions)
 
 
 def release_freed_memory() -> None:
@@ -199,9 +210,14 @@ def _load_canonical_dir(layer: KTMoEWrapper, physical_to_logical_map) -> None:
 
 
 def checkpoint_activation(weight_path: str) -> Glu:
-    """The activation a Hugging Face checkpoint's experts use (plain SiLU for a converted directory,
-    which records none, or a path load_weights will report on)."""
+    """The activation a Hugging Face checkpoint's or a GGUF model's experts use (plain SiLU for a
+    converted directory, which records none, or a path load_weights will report on)."""
 
+    if is_gguf(weight_path):
+        try:
+            return open_gguf(weight_path).activation()
+        except (CheckpointError, OSError, ValueError):
+            return SILU  # load_weights names the problem
     if is_canonical_dir(weight_path) or not (Path(weight_path) / "config.json").is_file():
         return SILU
     try:
