@@ -84,11 +84,14 @@ def write_checkpoint(path: Path, layers: int, H: int, I: int, E: int) -> None:
 
 def write_gguf(path: Path, qtype_name: str, layers: int, H: int, I: int, E: int) -> None:
     """The same experts' shapes as a GGUF file (Qwen3-MoE names), random blocks of the type."""
-    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 
     from kt_sglang.weights.gguf_blocks import random_rows
 
     qtype = GGMLQuantizationType[qtype_name]
+    block = GGML_QUANT_SIZES[qtype][0]
+    if H % block or I % block:
+        raise SystemExit(f"--gguf-type {qtype_name}: blocks of {block} do not divide H {H} and I {I}")
     w = GGUFWriter(path, "qwen3moe")
     w.add_expert_count(E)
     w.add_embedding_length(H)
