@@ -44,7 +44,7 @@ def sample():
     while not done.is_set():
         peak[0] = max(peak[0], anon())
         time.sleep(0.002)
-sampler = threading.Thread(target=sample)
+sampler = threading.Thread(target=sample, daemon=True)  # a failed load must not leave it running
 sampler.start()
 t = time.perf_counter()
 held = []
