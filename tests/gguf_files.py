@@ -63,13 +63,13 @@ def write_gguf(
     path: Path,
     arch: str,
     tensors: dict[str, tuple[np.ndarray, Q]],
-    metadata: dict[str, int],
+    metadata: dict[str, int | list[int]],
     split_max_tensors: int = 0,
 ) -> None:
     """``tensors``: name -> (rows as ``gguf_rows`` gives them, type); ``metadata``: ``{arch}.{key}``."""
     writer = gguf.GGUFWriter(path, arch, split_max_tensors=split_max_tensors)
-    for key, value in metadata.items():
-        writer.add_uint32(f"{arch}.{key}", value)
+    for key, value in metadata.items():  # an int, or a list of one per layer
+        (writer.add_array if isinstance(value, list) else writer.add_uint32)(f"{arch}.{key}", value)
     for name, (rows, qtype) in tensors.items():
         if qtype in (Q.F16, Q.F32):
             writer.add_tensor(name, rows.view(np.float16 if qtype == Q.F16 else np.float32))

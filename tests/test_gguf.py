@@ -46,7 +46,7 @@ def write_model(
     fused: bool = False,
     split_max_tensors: int = 0,
     experts: int = E,
-    metadata: dict[str, int] | None = None,
+    metadata: dict[str, int | list[int]] | None = None,
     arch: str = "qwen3moe",
     biases: bool = False,
 ) -> dict[int, dict[str, np.ndarray]]:
@@ -222,8 +222,12 @@ def test_physical_map_and_gpu_experts(tmp_path, monkeypatch):
             {"metadata": {"embedding_length": 512}},
             r"qwen3moe\.embedding_length is 512; the model's config gives 256",
         ),
+        (  # per layer, as llama.cpp also reads it: layer 1's
+            {"metadata": {"expert_feed_forward_length": [I, 2 * I]}},
+            r"qwen3moe\.expert_feed_forward_length is 512; the model's config gives 256",
+        ),
     ],
-    ids=["unsupported-type", "shape", "metadata"],
+    ids=["unsupported-type", "shape", "metadata", "metadata-per-layer"],
 )
 def test_model_that_does_not_fit_is_refused(tmp_path, change, message):
     path = tmp_path / "model.gguf"

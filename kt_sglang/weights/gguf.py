@@ -190,6 +190,8 @@ class GgufModel:
         }
         for key, ours in stated.items():
             theirs = self.arch_value(key)
+            if isinstance(theirs, list):  # per layer (llama.cpp reads some keys as arrays)
+                theirs = theirs[layer] if layer < len(theirs) else None
             if theirs is not None and int(theirs) != ours:
                 raise CheckpointError(
                     f"{self.files[0]}: {self.architecture}.{key} is {theirs}; the model's config gives {ours}"
