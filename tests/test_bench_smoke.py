@@ -44,12 +44,17 @@ def test_contention_benchmark(tmp_path):
     """The engine on every core beside a busy process: no call stalls for a scheduler slice (on the
     2-core Xeon, before waiting workers pulled preempted ones onto their cores: 21-22x the median
     alone in every run of 300 calls; after: 1.8-8.8x in 600)."""
-    r = run_bench("bench_contention.py", tmp_path, "--calls", "200", "--busy", "1")
-    for part in ("alone", "beside_busy"):
-        s = r[part]
-        assert 0 < s["median_ms"] <= s["p90_ms"] <= s["worst_ms"]
-    assert r["busy"] == 1 and r["threads"] >= 1
-    assert r["beside_busy"]["worst_ms"] < 15 * r["alone"]["median_ms"], r
+    # The stall it guards against came back in every run; a VM's single hiccup (one call of 27 ms
+    # beside a 0.9 ms median, once in a CI run) does not: a second run decides.
+    for attempt in range(2):
+        r = run_bench("bench_contention.py", tmp_path, "--calls", "200", "--busy", "1")
+        for part in ("alone", "beside_busy"):
+            s = r[part]
+            assert 0 < s["median_ms"] <= s["p90_ms"] <= s["worst_ms"]
+        assert r["busy"] == 1 and r["threads"] >= 1
+        if r["beside_busy"]["worst_ms"] < 15 * r["alone"]["median_ms"]:
+            return
+    raise AssertionError(f"a call beside a busy process stalled in two runs: {r}")
 
 
 @pytest.mark.slow
