@@ -46,7 +46,7 @@ def test_contention_benchmark(tmp_path):
     alone in every run of 300 calls; after: 1.8-8.8x in 600)."""
     # The stall it guards against came back in every run; a VM's single hiccup (one call of 27 ms
     # beside a 0.9 ms median, once in a CI run) does not: a second run decides.
-    for attempt in range(2):
+    for _ in range(2):
         r = run_bench("bench_contention.py", tmp_path, "--calls", "200", "--busy", "1")
         for part in ("alone", "beside_busy"):
             s = r[part]
