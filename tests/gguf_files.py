@@ -37,6 +37,10 @@ def quantize_q4_k(w: np.ndarray) -> np.ndarray:
     return blocks.reshape(*lead, -1)
 
 
+# The types the gguf package decodes but has no quantizer for (besides Q4_K, quantize_q4_k's).
+DECODE_ONLY = (Q.IQ4_NL, Q.IQ4_XS, Q.Q6_K, Q.Q5_K, Q.Q3_K, Q.Q2_K)
+
+
 def gguf_rows(qtype: Q, w: np.ndarray, seed: int = 0) -> np.ndarray:
     """``w [..., N, K]`` float32 as the GGUF type's rows ``uint8 [..., N, bytes]``: quantized where the
     gguf package (or ``quantize_q4_k``) has a quantizer, else random codes under scales of w's
@@ -45,11 +49,9 @@ def gguf_rows(qtype: Q, w: np.ndarray, seed: int = 0) -> np.ndarray:
         return w.astype(np.float16 if qtype == Q.F16 else np.float32).view(np.uint8)
     if qtype == Q.Q4_K:
         return quantize_q4_k(w)
-    try:
-        return gguf.quants.quantize(w, qtype).view(np.uint8)
-    except NotImplementedError:
-        pass
-    return random_rows(qtype, w.shape, float(np.abs(w).mean()), seed)
+    if qtype in DECODE_ONLY:
+        return random_rows(qtype, w.shape, float(np.abs(w).mean()), seed)
+    return gguf.quants.quantize(w, qtype).view(np.uint8)
 
 
 def llama_cpp_values(qtype: Q, rows: np.ndarray) -> np.ndarray:
