@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import weakref
 
+import numpy as np
 import torch
 
 from kt_sglang.engine.activation import SILU
@@ -266,6 +267,40 @@ class BaseMoEWrapper:
     @property
     def packed_bytes(self) -> int:
         return self._layer.packed_bytes
+
+    # The packed file layout (weights/packed_files.py): one expert's packed weights as one pool over
+    # the whole intermediate dimension holds them.
+
+    def packed_file_bytes(self) -> tuple[int, int]:
+        """(gate/up bytes, down bytes) of one expert in the packed file layout."""
+        return self._layer.file_gate_up_bytes, self._layer.file_down_bytes
+
+    def export_packed(self, slot: int, gate_up: np.ndarray, down: np.ndarray) -> None:
+        """Copies held slot ``slot``'s packed weights into uint8 buffers of packed_file_bytes()."""
+        for name, buf, n in (
+            ("gate_up", gate_up, self._layer.file_gate_up_bytes),
+            ("down", down, self._layer.file_down_bytes),
+        ):
+            if (
+                buf.dtype != np.uint8
+                or buf.nbytes != n
+                or not buf.flags.c_contiguous
+                or not buf.flags.writeable
+            ):
+                raise ValueError(f"{name} must be a writable contiguous uint8 buffer of {n} bytes")
+        self._layer.export_packed(slot, gate_up.ctypes.data, down.ctypes.data)
+
+    def map_packed(
+        self, path: str, gate_up_offset: int, down_offset: int, file_experts: int, slot_to_file: list[int]
+    ) -> None:
+        """Takes the held slots' weights from a packed file (slot e: the file's expert
+        ``slot_to_file[e]``); with one pool the layer computes from the mapping itself."""
+        self._layer.map_packed(path, gate_up_offset, down_offset, file_experts, slot_to_file)
+
+    @property
+    def mapped(self) -> bool:
+        """Whether the layer computes from a memory-mapped packed file."""
+        return self._layer.mapped
 
     # ----------------------------------------------------------------------------------------
     # A forward's inputs

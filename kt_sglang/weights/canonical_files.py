@@ -22,7 +22,7 @@ import math
 import os
 import re
 import shutil
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 
 import torch
@@ -31,11 +31,13 @@ from safetensors.torch import save_file
 
 from kt_sglang.engine.canonical import CanonicalMatrix, canonical_layout
 from kt_sglang.engine.methods import Method
+from kt_sglang.weights import packed_files
 from kt_sglang.weights.source import CANONICAL_FORMAT as FORMAT
 from kt_sglang.weights.source import open_safetensors
 
 VERSION = 1
 MANIFEST = "kt_weights.json"
+LAYOUTS = ("canonical", "packed")
 PROJECTIONS = ("gate", "up", "down")
 METADATA_KEY = "kt_sglang"
 INDEX = "model.safetensors.index.json"
@@ -55,6 +57,9 @@ class Manifest:
     source_dtype: str
     source_config_sha256: str
     source_tensors_sha256: str
+    # "canonical": safetensors files the engine repacks at load; "packed": the engine's own packed
+    # layout, computed from the mapped files (weights/packed_files.py)
+    layout: str = "canonical"
     format: str = FORMAT
     version: int = VERSION
 
@@ -80,7 +85,8 @@ class Manifest:
                 f"{path}: format {data.get('format')!r} v{data.get('version')} is not {FORMAT} v{VERSION}"
             )
         names = {f.name for f in fields(cls)}
-        missing = sorted(names - set(data))
+        required = {f.name for f in fields(cls) if f.default is MISSING}
+        missing = sorted(required - set(data))
         unknown = sorted(set(data) - names)
         if missing or unknown:
             what = "; ".join(
@@ -92,6 +98,10 @@ class Manifest:
                 if part
             )
             raise ValueError(f"{path} {what}: convert again")
+        if data.get("layout", "canonical") not in LAYOUTS:
+            raise ValueError(
+                f"{path}: unknown layout {data['layout']!r} (this build reads {', '.join(LAYOUTS)})"
+            )
         return cls(**data)
 
 
@@ -271,6 +281,16 @@ def verify_files(directory: Path, manifest: Manifest) -> None:
     """Every shard or layer file the directory needs exists and opens (a truncated file does not);
     ValueError naming the file."""
     directory = Path(directory)
+    if manifest.layout == "packed":
+        for layer in manifest.moe_layers:
+            packed_files.check_layer_file(
+                directory / packed_files.packed_file(layer),
+                manifest.method,
+                manifest.group_size,
+                layer,
+                manifest.num_experts,
+            )
+        return
     index = read_index(directory)
     names = (
         sorted(set(index.values())) if index is not None else [layer_file(la) for la in manifest.moe_layers]
@@ -288,6 +308,15 @@ def verify_files(directory: Path, manifest: Manifest) -> None:
 def layer_is_complete(directory: Path, manifest: Manifest, layer: int) -> bool:
     """True when the layer is in the merged index, or its file exists, opens, and carries the
     manifest's method, group and experts."""
+    if manifest.layout == "packed":
+        path = Path(directory) / packed_files.packed_file(layer)
+        try:
+            packed_files.check_layer_file(
+                path, manifest.method, manifest.group_size, layer, manifest.num_experts
+            )
+        except ValueError:  # missing, damaged or another conversion's: it will be written again
+            return False
+        return True
     index = read_index(directory)
     if index is not None:
         shard = index.get(_first_tensor(layer))

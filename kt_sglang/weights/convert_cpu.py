@@ -6,7 +6,9 @@ weights and scales go into the canonical files as they are (bf16 scales as the s
 Streams layer by layer (peak memory: one layer's experts plus its output), writes each layer under a
 temporary name and renames it, and on a rerun (or with --resume-layer) skips the layers already
 complete after checking them; then merges the layer files into shards with an index (unless
---no-merge-safetensor). The flags are kt-kernel's, so existing commands carry over.
+--no-merge-safetensor). With --layout packed it writes one file per layer in the engine's packed
+layout instead (weights/packed_files.py), never merged: a layer computes from the mapped file.
+The flags are kt-kernel's, so existing commands carry over.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from kt_sglang.engine.canonical import quantize
 from kt_sglang.engine.methods import METHODS, Method, method_names, parse_method, resolve_group
 from kt_sglang.weights.canonical_files import (
     INDEX,
+    LAYOUTS,
     MANIFEST,
     Manifest,
     clean_leftovers,
@@ -39,6 +42,7 @@ from kt_sglang.weights.canonical_files import (
     write_layer,
 )
 from kt_sglang.weights.checkpoint import Checkpoint, CheckpointError
+from kt_sglang.weights.packed_files import packed_file, write_packed_layer
 
 # --input-type: the experts' stored form, as each format names it (ExpertFormat.kt_input_type). "int4"
 # is either INT4 format (compressed-tensors pack-quantized, GPTQ), "fp4" MXFP4 or NVFP4, told apart
@@ -88,6 +92,14 @@ def build_parser(prog: str = "kt-sglang convert-cpu") -> argparse.ArgumentParser
         "(the engine repacks per node at load)",
     )
     p.add_argument(
+        "--layout",
+        choices=LAYOUTS,
+        default="canonical",
+        help="canonical (default): safetensors files in an ISA-independent layout, repacked at load; "
+        "packed: one file per layer in the engine's packed layout (the same on every ISA), which a "
+        "layer on one pool computes from memory-mapped, without a copy (restarts read from the page cache)",
+    )
+    p.add_argument(
         "--no-merge-safetensor",
         action="store_true",
         help="keep one file per layer (loads as is) instead of merging them into shards of whole "
@@ -129,10 +141,12 @@ def check_output(input_path: Path, output: Path) -> None:
         )
 
 
-def check_free_space(out: Path, manifest: Manifest, layers: int, merge: bool) -> None:
-    one = expert_bytes(
-        Method(manifest.method), manifest.group_size, manifest.hidden_size, manifest.intermediate_size
-    )
+def check_free_space(out: Path, manifest: Manifest, layers: int, merge: bool, one: int | None = None) -> None:
+    """``one``: bytes an expert takes (default: its canonical tensors)."""
+    if one is None:
+        one = expert_bytes(
+            Method(manifest.method), manifest.group_size, manifest.hidden_size, manifest.intermediate_size
+        )
     layer_bytes = manifest.num_experts * one
     need = layers * layer_bytes + (len(manifest.moe_layers) * layer_bytes if merge else 0)
     free = shutil.disk_usage(out).free
@@ -212,6 +226,7 @@ def convert(args: argparse.Namespace) -> Path:
         source_dtype=args.input_type,
         source_config_sha256=sha256_text(config_text),
         source_tensors_sha256=sha256_text("\n".join(ckpt.expert_tensor_names())),
+        layout=args.layout,
     )
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
@@ -227,8 +242,9 @@ def convert(args: argparse.Namespace) -> Path:
     for path in clean_leftovers(out, manifest):
         print(f"removed {path.name}, left by an interrupted run")
     todo = [layer for layer in layers if not layer_is_complete(out, manifest, layer)]
-    merge = not args.no_merge_safetensor and read_index(out) is None
-    check_free_space(out, manifest, len(todo), merge)
+    packer = _packer(manifest, threads) if args.layout == "packed" else None
+    merge = packer is None and not args.no_merge_safetensor and read_index(out) is None
+    check_free_space(out, manifest, len(todo), merge, sum(packer.packed_file_bytes()) if packer else None)
     skipped = len(layers) - len(todo)
     written = 0
     bar = tqdm(total=len(todo) * spec.num_experts, unit="expert", desc="convert-cpu", dynamic_ncols=True)
@@ -252,7 +268,7 @@ def convert(args: argparse.Namespace) -> Path:
                 for mats in ckpt.iter_native_experts(layer, method):
                     experts.append(dict(zip(("gate", "up", "down"), mats, strict=True)))
                     bar.update(1)
-                written += write_layer(out, manifest, layer, experts).stat().st_size
+                written += _write(out, manifest, layer, experts, packer)
                 del experts
                 continue
             # Experts stream through the pool, at most 2 per thread in flight besides the output
@@ -263,7 +279,7 @@ def convert(args: argparse.Namespace) -> Path:
                 if len(in_flight) >= 2 * threads:
                     experts.append(in_flight.popleft().result())
             experts += [f.result() for f in in_flight]
-            written += write_layer(out, manifest, layer, experts).stat().st_size
+            written += _write(out, manifest, layer, experts, packer)
             del experts
     merged = ""
     if merge:
@@ -271,6 +287,34 @@ def convert(args: argparse.Namespace) -> Path:
         merged = f", merged into {len(shards)} shard(s) with {INDEX}"
     print(f"wrote {out} ({len(todo)} layers converted, {skipped} already complete{merged})")
     return out
+
+
+def _packer(manifest: Manifest, threads: int):
+    """A layer holding every expert on one pool: it packs each converted layer for the file."""
+    from kt_sglang.engine.base import BaseMoEWrapper
+    from kt_sglang.engine.config import MoEConfig
+
+    config = MoEConfig(
+        layer_idx=0,
+        num_experts=manifest.num_experts,
+        num_experts_per_tok=1,
+        hidden_size=manifest.hidden_size,
+        moe_intermediate_size=manifest.intermediate_size,
+        gpu_experts_mask=None,
+        cpuinfer_threads=threads,
+        threadpool_count=1,
+        method=manifest.method,
+        group_size=manifest.group_size,
+    )
+    return BaseMoEWrapper(config)
+
+
+def _write(out: Path, manifest: Manifest, layer: int, experts: list[dict], packer) -> int:
+    """Writes one converted layer in the manifest's layout; returns its bytes."""
+    if packer is None:
+        return write_layer(out, manifest, layer, experts).stat().st_size
+    packer.load_canonical(*([x[p] for x in experts] for p in ("gate", "up", "down")))
+    return write_packed_layer(packer, out / packed_file(layer), layer)
 
 
 def main(argv: list[str] | None = None, prog: str = "kt-sglang convert-cpu") -> int:

@@ -13,7 +13,7 @@ import torch
 
 from kt_sglang.engine.activation import SILU, Glu
 from kt_sglang.engine.methods import METHODS
-from kt_sglang.weights import formats
+from kt_sglang.weights import formats, packed_files
 from kt_sglang.weights.canonical_files import MANIFEST, Manifest, is_canonical_dir, read_layer
 from kt_sglang.weights.checkpoint import open_checkpoint
 from kt_sglang.weights.gguf import is_gguf, open_gguf
@@ -204,6 +204,15 @@ def _load_canonical_dir(layer: KTMoEWrapper, physical_to_logical_map) -> None:
         )
     mapped = physical_to_logical_map is not None
     _check_model(layer, where, m.hidden_size, m.intermediate_size, m.num_experts, mapped)
+    if m.layout == "packed":
+        if layer.layer_idx not in m.moe_layers:
+            raise CheckpointError(f"layer {layer.layer_idx} is not an MoE layer of {directory}")
+        slots = layer.slot_map(physical_to_logical_map, m.num_experts) or list(range(layer.num_experts))
+        slot_to_file = [s if layer.holds(e) else -1 for e, s in enumerate(slots)]
+        path = directory / packed_files.packed_file(layer.layer_idx)
+        packed_files.check_layer_file(path, m.method, m.group_size, layer.layer_idx, m.num_experts)
+        packed_files.map_packed_layer(layer, path, layer.layer_idx, slot_to_file)
+        return
     needed, positions = _read_plan(layer, physical_to_logical_map, m.num_experts)
     mats = read_layer(directory, m, layer.layer_idx, needed)
     _load_read(layer, [mats[p] for p in ("gate", "up", "down")], positions)

@@ -102,6 +102,7 @@ PYBIND11_MODULE(_native, m) {
     return out;
   });
   m.def("parse_method", [](const std::string& name) { return parse_method(name); });
+  m.attr("packed_file_version") = MoeLayer::kPackedFileVersion;
   m.def("packed_group_bytes", [](Method method, int group) { return group_bytes(method, group); });
 
   m.def("cpu_features", [] {
@@ -397,6 +398,22 @@ PYBIND11_MODULE(_native, m) {
       .def_property_readonly("down_method", [](const MoeLayer& l) { return *l.config().down_method; })
       .def_property_readonly("down_group", [](const MoeLayer& l) { return l.config().down_group; })
       .def_property_readonly("packed_bytes", &MoeLayer::packed_bytes)
+      .def_property_readonly("file_gate_up_bytes", &MoeLayer::file_gate_up_bytes)
+      .def_property_readonly("file_down_bytes", &MoeLayer::file_down_bytes)
+      .def_property_readonly("mapped", &MoeLayer::mapped)
+      .def(
+          "export_packed",
+          [](const MoeLayer& l, int slot, uintptr_t gate_up, uintptr_t down) {
+            py::gil_scoped_release release;
+            l.export_packed(slot, ptr<uint8_t>(gate_up), ptr<uint8_t>(down));
+          },
+          py::arg("slot"), py::arg("gate_up"), py::arg("down"),
+          "Copies a held slot's packed weights into the packed file layout (buffers of file_gate_up_bytes "
+          "and file_down_bytes).")
+      .def("map_packed", &MoeLayer::map_packed, py::arg("path"), py::arg("gate_up_offset"),
+           py::arg("down_offset"), py::arg("file_experts"), py::arg("slot_to_file"),
+           py::call_guard<py::gil_scoped_release>(),
+           "Takes the held slots' weights from a packed file (one pool: computes from the mapping).")
       .def_property_readonly("pool_slices", &MoeLayer::pool_slices);
 
   m.def(

@@ -1,8 +1,15 @@
 #include "kt/moe_layer.h"
 
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 
@@ -111,6 +118,18 @@ MoeLayer::PackedSlice MoeLayer::packed_slice(int pool) const {
   return {pw.i_begin, pw.i_end, pw.gate_up, pw.down, pw.gate_up_bytes, pw.down_bytes};
 }
 
+bool MoeLayer::holds_every_expert() const {
+  for (int64_t e = 0; e < config_.num_experts; ++e)
+    if (storage_[e] != e) return false;
+  return true;
+}
+
+void MoeLayer::check_not_mapped() const {
+  if (mapping_)
+    throw std::logic_error(
+        "this layer computes from a mapped packed file: build a new layer to load other weights");
+}
+
 void MoeLayer::pack_expert(int slot, const CanonicalMatrix& gate, const CanonicalMatrix& up,
                            const CanonicalMatrix& down) {
   const int64_t at = storage_[slot];
@@ -178,6 +197,7 @@ void MoeLayer::load_biases(const float* gate, const float* up, const float* down
 
 void MoeLayer::load_dense(const void* gate, const void* up, const void* down, DType dtype,
                           int64_t source_experts, const std::vector<int64_t>& slot_to_source) {
+  check_not_mapped();
   const int64_t E = config_.num_experts, I = config_.intermediate, H = config_.hidden;
   if (!slot_to_source.empty() && static_cast<int64_t>(slot_to_source.size()) != E)
     throw std::invalid_argument("physical_to_logical_map must have num_experts entries");
@@ -216,6 +236,7 @@ void MoeLayer::load_dense(const void* gate, const void* up, const void* down, DT
 void MoeLayer::load_canonical(const std::vector<CanonicalMatrix>& gate,
                               const std::vector<CanonicalMatrix>& up,
                               const std::vector<CanonicalMatrix>& down, bool partial) {
+  check_not_mapped();
   const int64_t E = config_.num_experts, I = config_.intermediate, H = config_.hidden;
   if (static_cast<int64_t>(gate.size()) != E || static_cast<int64_t>(up.size()) != E ||
       static_cast<int64_t>(down.size()) != E)
@@ -248,6 +269,161 @@ void MoeLayer::load_canonical(const std::vector<CanonicalMatrix>& gate,
       with_context(e, "", [&] { pack_expert(static_cast<int>(e), gate[e], up[e], down[e]); });
     });
   });
+  loaded_ = true;
+}
+
+MappedFile::~MappedFile() {
+  munmap(base, bytes);
+}
+
+namespace {
+
+// Pool `pw`'s slice of one expert in the packed file layout (one pool over the whole intermediate
+// dimension): f(file_offset, pool_offset, bytes) for each contiguous run. Gate/up blocks are whole
+// groups of intermediate channels in order, so a slice is one run; a down panel holds all of the
+// intermediate dimension in groups, so a slice is one run per panel.
+template <class F>
+void gate_up_runs(const MoeLayer::PoolWeights& pw, int64_t file_block_bytes, int64_t block_width, F&& f) {
+  f(pw.i_begin / block_width * file_block_bytes, int64_t{0}, pw.gate_up_bytes);
+}
+template <class F>
+void down_runs(const MoeLayer::PoolWeights& pw, int64_t file_panel_bytes, int64_t group_bytes_,
+               int down_group, F&& f) {
+  const int64_t slice = (pw.i_end - pw.i_begin) / down_group * group_bytes_;
+  const int64_t first = pw.i_begin / down_group * group_bytes_;
+  if (slice == 0) return;
+  for (int64_t p = 0; p < pw.down_region.rows / kPanelWidth; ++p)
+    f(p * file_panel_bytes + first, p * slice, slice);
+}
+
+std::string errno_text(int err) {
+  return std::strerror(err);
+}
+
+// Reads [p, p + n) of a file mapping into the page cache and the mapping's page tables, so that the
+// first forward does not fault them in one by one.
+void read_pages(const uint8_t* p, int64_t n) {
+#ifndef MADV_POPULATE_READ
+#define MADV_POPULATE_READ 22  // Linux 5.14
+#endif
+  const auto page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(p) & ~(page - 1);
+  const uintptr_t end = reinterpret_cast<uintptr_t>(p) + static_cast<uintptr_t>(n);
+  if (n <= 0 || madvise(reinterpret_cast<void*>(begin), end - begin, MADV_POPULATE_READ) == 0) return;
+  volatile uint8_t sink = 0;  // older kernels: touch each page
+  for (uintptr_t a = begin; a < end; a += page)
+    sink = sink + *reinterpret_cast<const uint8_t*>(std::max(a, reinterpret_cast<uintptr_t>(p)));
+}
+
+}  // namespace
+
+int64_t MoeLayer::file_gate_up_bytes() const {
+  return 2 * packed_matrix_bytes(config_.method, group_, {0, intermediate_padded_, 0, hidden_padded_});
+}
+
+int64_t MoeLayer::file_down_bytes() const {
+  return packed_matrix_bytes(*config_.down_method, config_.down_group,
+                             {0, round_up(config_.hidden, kPanelWidth), 0, intermediate_padded_});
+}
+
+void MoeLayer::export_packed(int slot, uint8_t* gate_up, uint8_t* down) const {
+  if (slot < 0 || slot >= config_.num_experts || storage_[slot] < 0)
+    throw std::invalid_argument("export_packed: slot " + std::to_string(slot) + " is not held by this layer");
+  drain();
+  const int64_t at = storage_[slot];
+  const int64_t width = h_group();
+  const int64_t block = 2 * (width / kPanelWidth) * panel_bytes(config_.method, group_, hidden_padded_);
+  const int64_t gb = group_bytes(*config_.down_method, config_.down_group);
+  const int64_t file_panel = intermediate_padded_ / config_.down_group * gb;
+  for (const auto& pw : pools_) {
+    gate_up_runs(*pw, block, width, [&](int64_t file, int64_t pool, int64_t n) {
+      std::memcpy(gate_up + file, pw->gate_up + at * pw->gate_up_bytes + pool, n);
+    });
+    down_runs(*pw, file_panel, gb, config_.down_group, [&](int64_t file, int64_t pool, int64_t n) {
+      std::memcpy(down + file, pw->down + at * pw->down_bytes + pool, n);
+    });
+  }
+}
+
+void MoeLayer::map_packed(const std::string& path, int64_t gate_up_offset, int64_t down_offset,
+                          int64_t file_experts, const std::vector<int64_t>& slot_to_file) {
+  check_not_mapped();
+  drain();
+  const int64_t E = config_.num_experts;
+  const int64_t GU = file_gate_up_bytes(), D = file_down_bytes();
+  if (static_cast<int64_t>(slot_to_file.size()) != E)
+    throw std::invalid_argument("map_packed: need one file expert per slot (" + std::to_string(E) + ")");
+  for (int64_t e = 0; e < E; ++e)
+    if (storage_[e] >= 0 && (slot_to_file[e] < 0 || slot_to_file[e] >= file_experts))
+      throw std::invalid_argument(path + ": slot " + std::to_string(e) + " takes expert " +
+                                  std::to_string(slot_to_file[e]) + ", outside the file's " +
+                                  std::to_string(file_experts));
+  if (file_experts < 0 || gate_up_offset < 0 || gate_up_offset % 64 || down_offset % 64 ||
+      down_offset < gate_up_offset + file_experts * GU)
+    throw std::invalid_argument(path + ": the header's offsets (gate/up at " +
+                                std::to_string(gate_up_offset) + ", down at " + std::to_string(down_offset) +
+                                ") do not fit " + std::to_string(file_experts) + " experts of " +
+                                std::to_string(GU) + " gate/up bytes on cache-line boundaries");
+  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw std::runtime_error("cannot open " + path + ": " + errno_text(errno));
+  struct stat st{};
+  if (fstat(fd, &st) != 0) {
+    const int err = errno;
+    close(fd);
+    throw std::runtime_error("cannot stat " + path + ": " + errno_text(err));
+  }
+  const int64_t need = down_offset + file_experts * D;
+  if (st.st_size < need) {
+    close(fd);
+    throw std::invalid_argument(path + " is truncated: " + std::to_string(st.st_size) +
+                                " bytes, its header's " + std::to_string(file_experts) + " experts need " +
+                                std::to_string(need) + " (convert again)");
+  }
+  void* base = mmap(nullptr, static_cast<size_t>(st.st_size), PROT_READ, MAP_SHARED, fd, 0);
+  const int err = errno;
+  close(fd);
+  if (base == MAP_FAILED) throw std::runtime_error("cannot map " + path + ": " + errno_text(err));
+  auto file = std::make_unique<MappedFile>(base, static_cast<size_t>(st.st_size));
+  const bool in_place = pools_.size() == 1;
+  // Streamed like the anonymous copies are (2 MiB pages where the page cache has them).
+  if (in_place) madvise(base, file->bytes, MADV_HUGEPAGE);
+  const int64_t width = h_group();
+  const int64_t block = 2 * (width / kPanelWidth) * panel_bytes(config_.method, group_, hidden_padded_);
+  const int64_t gb = group_bytes(*config_.down_method, config_.down_group);
+  const int64_t file_panel = intermediate_padded_ / config_.down_group * gb;
+  auto& counter = workspace_->load_counter.value;
+  counter.store(0);
+  runner_->run([&](const WorkerContext&) {
+    for_each_item(counter, E, [&](int64_t e) {
+      if (storage_[e] < 0) return;
+      const uint8_t* gu = file->at(gate_up_offset + slot_to_file[e] * GU);
+      const uint8_t* dn = file->at(down_offset + slot_to_file[e] * D);
+      if (in_place) {
+        read_pages(gu, GU);
+        read_pages(dn, D);
+        return;
+      }
+      const int64_t at = storage_[e];
+      for (const auto& pw : pools_) {
+        gate_up_runs(*pw, block, width, [&](int64_t f, int64_t p, int64_t n) {
+          std::memcpy(pw->gate_up + at * pw->gate_up_bytes + p, gu + f, n);
+        });
+        down_runs(*pw, file_panel, gb, config_.down_group, [&](int64_t f, int64_t p, int64_t n) {
+          std::memcpy(pw->down + at * pw->down_bytes + p, dn + f, n);
+        });
+      }
+    });
+  });
+  if (in_place) {
+    PoolWeights& pw = *pools_[0];
+    pw.release();
+    pw.mapped = true;
+    pw.gate_up = const_cast<uint8_t*>(file->at(gate_up_offset));  // read only: kernels never write weights
+    pw.down = const_cast<uint8_t*>(file->at(down_offset));
+    for (int64_t e = 0; e < E; ++e)
+      if (storage_[e] >= 0) storage_[e] = slot_to_file[e];
+    mapping_ = std::move(file);
+  }
   loaded_ = true;
 }
 

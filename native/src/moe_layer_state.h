@@ -70,10 +70,22 @@ struct MoeLayer::PoolWeights {
   size_t gate_up_alloc = 0, down_alloc = 0;   // all experts, on the pool's node
   uint8_t* gate_up = nullptr;
   uint8_t* down = nullptr;
-  ~PoolWeights() {
-    free_on_node(gate_up, gate_up_alloc);
-    free_on_node(down, down_alloc);
+  bool mapped = false;  // gate_up and down point into the layer's MappedFile
+  ~PoolWeights() { release(); }
+  void release() {
+    if (!mapped) free_on_node(gate_up, gate_up_alloc), free_on_node(down, down_alloc);
+    gate_up = down = nullptr;
   }
+};
+
+struct MappedFile {
+  void* base = nullptr;
+  size_t bytes = 0;
+  MappedFile(const MappedFile&) = delete;
+  MappedFile& operator=(const MappedFile&) = delete;
+  MappedFile(void* b, size_t n) : base(b), bytes(n) {}
+  ~MappedFile();
+  const uint8_t* at(int64_t offset) const { return static_cast<const uint8_t*>(base) + offset; }
 };
 
 }  // namespace kt

@@ -47,6 +47,8 @@ struct MoeConfig {
 
 // Scratch shared by every layer on one runner (tasks run one at a time). Grows, never shrinks.
 struct MoeWorkspace;
+// A read-only mapping of a packed file (moe_layer.cpp).
+struct MappedFile;
 
 struct ForwardArgs {
   int64_t tokens = 0;                   // used when tokens_ptr is null
@@ -90,6 +92,26 @@ class MoeLayer {
   // loads a few experts a call (every held slot must be loaded once before a forward).
   void load_canonical(const std::vector<CanonicalMatrix>& gate, const std::vector<CanonicalMatrix>& up,
                       const std::vector<CanonicalMatrix>& down, bool partial = false);
+  // The packed file layout (docs/weight-format.md, "Packed layout"): each expert's packed weights as
+  // one pool over the whole intermediate dimension holds them, gate/up then down. Bytes of one
+  // expert's gate/up and down in it; the layout's version (bumped whenever quant_types.h's packed
+  // layout or the pool slicing changes).
+  static constexpr int kPackedFileVersion = 1;
+  int64_t file_gate_up_bytes() const;
+  int64_t file_down_bytes() const;
+  // Copies held slot `slot`'s packed weights into the file layout.
+  void export_packed(int slot, uint8_t* gate_up, uint8_t* down) const;
+  // Takes every held slot's weights from a packed file: slot e holds the file's expert
+  // slot_to_file[e] (ignored for absent slots). The file holds `file_experts` experts' gate/up
+  // from byte `gate_up_offset` and their down projections from `down_offset` (both page-aligned).
+  // With one pool the layer computes from the read-only mapping itself (no copy: a restart reads
+  // from the page cache); with several, each pool copies its slice onto its node. The pages the
+  // held experts use are read before it returns. Validates the offsets and the file's size first;
+  // a layer whose weights are mapped loads nothing else.
+  void map_packed(const std::string& path, int64_t gate_up_offset, int64_t down_offset, int64_t file_experts,
+                  const std::vector<int64_t>& slot_to_file);
+  bool mapped() const { return mapping_ != nullptr; }
+
   // Expert biases, fp32 and one row per slot: added to gate [E, I] and up [E, I] before the
   // activation and to the down projection's output [E, H] before the routing weight (gpt-oss).
   // Any may be null (no bias). Throws naming the tensor, row and column of a non-finite value.
@@ -128,11 +150,13 @@ class MoeLayer {
   int64_t intermediate_padded() const { return intermediate_padded_; }
   int64_t gate_up_block() const { return h_group(); }
   bool has_biases() const { return !gate_bias_.empty() || !up_bias_.empty() || !down_bias_.empty(); }
-  bool holds_every_expert() const { return held_ == config_.num_experts; }
+  // Every expert is held, slot e at storage e (what fine-tuning's kernels address).
+  bool holds_every_expert() const;
   const KernelTable& kernels() const { return table_; }
   Runner& runner() const { return *runner_; }
 
  private:
+  void check_not_mapped() const;
   void pack_expert(int slot, const CanonicalMatrix& gate, const CanonicalMatrix& up,
                    const CanonicalMatrix& down);
   // The forward task and its steps (moe_forward.cpp), in the order they run per chunk of tokens.
@@ -158,6 +182,7 @@ class MoeLayer {
   std::vector<int64_t> storage_;
   int64_t held_ = 0;
   std::vector<std::unique_ptr<PoolWeights>> pools_;
+  std::unique_ptr<MappedFile> mapping_;  // the packed file one pool computes from (map_packed)
   // Biases as load_biases took them, zero-padded: [E, intermediate_padded_] and [E, hidden
   // rounded to 16]; empty when absent.
   std::vector<float> gate_bias_, up_bias_, down_bias_;
