@@ -4,15 +4,17 @@
                                [--workdir DIR] [--out FILE]
 
 Writes a Qwen3-30B-A3B-shaped checkpoint (bf16, per-expert tensors; H 2048, I 768, 128 experts, top-8;
-``--shape`` for others) and
-its `kt-sglang convert-cpu` directory, and a GGUF file of the same shape (``--gguf-type``, random
-blocks), then loads every MoE layer in a fresh process for each source (the checkpoint quantized on
-load; the converted directory; the GGUF through LLAMAFILE) and share of hot experts, twice: with the
-files dropped from the page cache (cold; needs root, else reported as warm) and again (warm). Reports
+``--shape`` for others), its `kt-sglang convert-cpu` directories (canonical and packed layouts), and
+a GGUF file of the same shape (``--gguf-type``, random blocks), then loads every MoE layer in a
+fresh process for each source (the checkpoint quantized on load; the converted directories; the
+GGUF through LLAMAFILE) and share of hot experts, twice: with the files dropped from the page cache
+(cold; needs root, else reported as warm) and again (warm). Reports
 per case the load time, the peak (sampled every 2 ms) and final anonymous memory above the
 process's before loading (the mapped files' pages are the page cache's, not the engine's), and the
 packed bytes of the experts the engine holds; the bound the engine keeps is peak <= final + one
-layer's packed experts + 10%.
+layer's packed experts + 10%. "mapped" is the file-backed memory the process maps at the end (a
+packed directory's layers compute from it), and "decode ms" the median time of one token through
+the first layer after the load (mapped pages against the engine's own).
 """
 
 from __future__ import annotations
@@ -32,13 +34,16 @@ K = 8
 _PROBE = r"""
 import json, re, sys, threading, time, torch
 from kt_sglang import KTMoEWrapper
-def anon():  # anonymous memory: what the engine allocates (mapped checkpoint pages are file-backed)
-    return int(re.search(r"RssAnon:\s+(\d+)", open("/proc/self/status").read()).group(1)) * 1024
+import kt_sglang.weights.layer_loader  # the loaders' own imports are not the weights' memory
+def rss(kind):  # RssAnon: what the engine allocates; RssFile: mapped files' pages (the page cache's)
+    return int(re.search(kind + r":\s+(\d+)", open("/proc/self/status").read()).group(1)) * 1024
+def anon():
+    return rss("RssAnon")
 path, method, hot, layers = sys.argv[1], sys.argv[2], float(sys.argv[3]), json.loads(sys.argv[4])
 E, K, H, I = json.loads(sys.argv[5])
 mask = torch.zeros(E, dtype=torch.bool)
 mask[: round(hot * E)] = True
-before = anon()
+before, file_before = anon(), rss("RssFile")
 peak, done = [before], threading.Event()
 def sample():
     while not done.is_set():
@@ -55,8 +60,19 @@ for layer in layers:
 seconds = time.perf_counter() - t
 done.set()
 sampler.join()
-final = anon()
+final, mapped = anon(), rss("RssFile") - file_before
+# decode: one token through the first layer, routed among its held experts
+w, cold = held[0], [e for e in range(E) if not mask[e]]
+x = torch.randn(1, H).bfloat16()
+times = []
+for i in range(60):
+    ids = torch.tensor([[cold[(i * K + j) % len(cold)] for j in range(K)]])
+    t = time.perf_counter()
+    w.forward(x, ids, torch.full((1, K), 1.0 / K))
+    times.append(time.perf_counter() - t)
 print(json.dumps({"seconds": seconds, "peak": max(peak[0], final) - before, "final": final - before,
+                  "mapped": mapped, "decode_ms": sorted(times[10:])[len(times[10:]) // 2] * 1e3,
+                  "computes_from_file": w.mapped,
                   "packed": sum(w.packed_bytes for w in held), "layer_packed": held[0].packed_bytes}))
 """
 
@@ -129,15 +145,15 @@ def main() -> None:
     args = p.parse_args()
     H, I, E = args.shape
     work = args.workdir or Path(tempfile.mkdtemp(prefix="kt-bench-load-"))
-    checkpoint, converted = work / "checkpoint", work / "converted"
+    checkpoint, converted, packed = work / "checkpoint", work / "converted", work / "converted-packed"
     if not (checkpoint / "config.json").exists():
         write_checkpoint(checkpoint, args.layers, H, I, E)
-    if not (converted / "kt_weights.json").exists():
-        from kt_sglang.weights.convert_cpu import main as convert_cpu
+    for out, layout in ((converted, "canonical"), (packed, "packed")):
+        if not (out / "kt_weights.json").exists():
+            from kt_sglang.weights.convert_cpu import main as convert_cpu
 
-        convert_cpu(
-            ["--input-path", str(checkpoint), "--output", str(converted), "--quant-method", args.method]
-        )
+            argv = ["--input-path", str(checkpoint), "--output", str(out), "--quant-method", args.method]
+            convert_cpu([*argv, "--layout", layout])
     gguf = work / f"experts-{args.gguf_type}.gguf"
     if not gguf.exists():
         write_gguf(gguf, args.gguf_type, args.layers, H, I, E)
@@ -145,6 +161,7 @@ def main() -> None:
     sources = (
         ("checkpoint, quantized on load", checkpoint, args.method),
         ("converted directory", converted, args.method),
+        ("converted directory, packed layout", packed, args.method),
         (f"GGUF {args.gguf_type}", gguf, "LLAMAFILE"),
     )
     for source, path, method in sources:
@@ -167,23 +184,31 @@ def main() -> None:
                 files = (
                     path.stat().st_size
                     if path.is_file()
-                    else sum(f.stat().st_size for f in path.iterdir() if f.suffix == ".safetensors")
+                    else sum(
+                        f.stat().st_size for f in path.iterdir() if f.suffix in (".safetensors", ".ktpack")
+                    )
                 )
                 rows.append({
                     "source": source, "hot_fraction": hot, "cache": "cold" if dropped else "warm",
                     "seconds": m["seconds"], "seconds_per_gb": m["seconds"] / (files / 1e9),
                     "peak_mib": m["peak"] / 2**20, "final_mib": m["final"] / 2**20,
+                    "mapped_mib": m["mapped"] / 2**20, "computes_from_file": m["computes_from_file"],
+                    "decode_ms": m["decode_ms"],
                     "packed_mib": m["packed"] / 2**20, "layer_packed_mib": m["layer_packed"] / 2**20,
                     "within_bound": m["peak"] <= m["final"] + 1.1 * m["layer_packed"],
                 })  # fmt: skip
     print(f"{args.layers} layer(s) of H {H}, I {I}, {E} experts, {args.method}, files in {work}")
-    print("| source | hot | cache | load s | s per GB read | peak MiB | final MiB | packed MiB | in bound |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(
+        "| source | hot | cache | load s | s per GB read | peak MiB | final MiB | mapped MiB | packed MiB "
+        "| in bound | decode ms |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
             f"| {r['source']} | {r['hot_fraction'] * 100:.0f}% | {r['cache']} | {r['seconds']:.2f} | "
             f"{r['seconds_per_gb']:.2f} | {r['peak_mib']:.0f} | {r['final_mib']:.0f} | "
-            f"{r['packed_mib']:.0f} | {'yes' if r['within_bound'] else 'no'} |"
+            f"{r['mapped_mib']:.0f} | {r['packed_mib']:.0f} | {'yes' if r['within_bound'] else 'no'} | "
+            f"{r['decode_ms']:.2f} |"
         )
     if args.out:
         result = {"method": args.method, "layers": args.layers, "shape": [H, I, E], "rows": rows}
