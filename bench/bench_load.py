@@ -76,6 +76,32 @@ print(json.dumps({"seconds": seconds, "peak": max(peak[0], final) - before, "fin
                   "packed": sum(w.packed_bytes for w in held), "layer_packed": held[0].packed_bytes}))
 """
 
+# One token through layer 0 of the converted directory (the engine's own copy) and of the packed one
+# (the mapped file), interleaved in one process so that both see the same machine.
+_DECODE_AB = r"""
+import json, sys, time, torch
+from kt_sglang import KTMoEWrapper
+copied_path, mapped_path, method, calls = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+E, K, H, I = json.loads(sys.argv[5])
+layers = {}
+for name, path in (("copied", copied_path), ("mapped", mapped_path)):
+    w = KTMoEWrapper(0, E, K, H, I, None, 2, 1, weight_path=path, method=method)
+    w.load_weights()
+    layers[name] = w
+assert layers["mapped"].mapped and not layers["copied"].mapped
+x = torch.randn(1, H).bfloat16()
+wts = torch.full((1, K), 1.0 / K)
+times = {name: [] for name in layers}
+for i in range(calls):
+    ids = torch.randperm(E)[:K].reshape(1, K)
+    for name in (("copied", "mapped") if i % 2 else ("mapped", "copied")):
+        t = time.perf_counter()
+        layers[name].forward(x, ids, wts)
+        times[name].append(time.perf_counter() - t)
+med = {name: sorted(v[10:])[len(v[10:]) // 2] * 1e3 for name, v in times.items()}
+print(json.dumps({"copied_ms": med["copied"], "mapped_ms": med["mapped"], "calls": calls}))
+"""
+
 
 def write_checkpoint(path: Path, layers: int, H: int, I: int, E: int) -> None:
     import torch
@@ -141,6 +167,7 @@ def main() -> None:
     )
     p.add_argument("--shape", type=int, nargs=3, default=QWEN3_30B, metavar=("H", "I", "E"))
     p.add_argument("--gguf-type", default="Q4_K", help="the GGUF file's block type (LLAMAFILE)")
+    p.add_argument("--decode-calls", type=int, default=400, help="interleaved decode calls per layer")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     H, I, E = args.shape
@@ -197,7 +224,15 @@ def main() -> None:
                     "packed_mib": m["packed"] / 2**20, "layer_packed_mib": m["layer_packed"] / 2**20,
                     "within_bound": m["peak"] <= m["final"] + 1.1 * m["layer_packed"],
                 })  # fmt: skip
+    cmd = [sys.executable, "-c", _DECODE_AB, str(converted), str(packed), args.method, str(args.decode_calls)]
+    r = subprocess.run([*cmd, json.dumps([E, K, H, I])], capture_output=True, text=True, check=True)
+    decode = json.loads(r.stdout.strip().splitlines()[-1])
     print(f"{args.layers} layer(s) of H {H}, I {I}, {E} experts, {args.method}, files in {work}")
+    print(
+        f"decode, one token, interleaved ({decode['calls']} calls each): "
+        f"own copy {decode['copied_ms']:.3f} ms, "
+        f"mapped file {decode['mapped_ms']:.3f} ms (x{decode['copied_ms'] / decode['mapped_ms']:.3f})"
+    )
     print(
         "| source | hot | cache | load s | s per GB read | peak MiB | final MiB | mapped MiB | packed MiB "
         "| in bound | decode ms |"
@@ -212,6 +247,7 @@ def main() -> None:
         )
     if args.out:
         result = {"method": args.method, "layers": args.layers, "shape": [H, I, E], "rows": rows}
+        result["decode_interleaved"] = decode
         args.out.write_text(json.dumps(result, indent=2))
 
 

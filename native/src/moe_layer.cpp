@@ -315,6 +315,28 @@ void read_pages(const uint8_t* p, int64_t n) {
     sink = sink + *reinterpret_cast<const uint8_t*>(std::max(a, reinterpret_cast<uintptr_t>(p)));
 }
 
+// Maps a file read-only at a 2 MiB boundary, so that the page cache's large folios can be mapped as
+// huge pages (file offset and address agree modulo 2 MiB); MAP_FAILED with errno on failure.
+void* map_on_huge_page_boundary(int fd, size_t bytes) {
+  constexpr size_t kHuge = size_t{2} << 20;
+  void* reserved =
+      mmap(nullptr, bytes + kHuge, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (reserved == MAP_FAILED) return MAP_FAILED;
+  const auto start = reinterpret_cast<uintptr_t>(reserved);
+  const uintptr_t aligned = (start + kHuge - 1) & ~(kHuge - 1);
+  void* base = mmap(reinterpret_cast<void*>(aligned), bytes, PROT_READ, MAP_SHARED | MAP_FIXED, fd, 0);
+  const int err = errno;
+  if (base == MAP_FAILED) {
+    munmap(reserved, bytes + kHuge);
+    errno = err;
+    return MAP_FAILED;
+  }
+  const uintptr_t end = aligned + round_up(bytes, sysconf(_SC_PAGESIZE));  // the reservation's tail
+  if (aligned > start) munmap(reserved, aligned - start);
+  if (start + bytes + kHuge > end) munmap(reinterpret_cast<void*>(end), start + bytes + kHuge - end);
+  return base;
+}
+
 }  // namespace
 
 int64_t MoeLayer::file_gate_up_bytes() const {
@@ -379,7 +401,7 @@ void MoeLayer::map_packed(const std::string& path, int64_t gate_up_offset, int64
                                 " bytes, its header's " + std::to_string(file_experts) + " experts need " +
                                 std::to_string(need) + " (convert again)");
   }
-  void* base = mmap(nullptr, static_cast<size_t>(st.st_size), PROT_READ, MAP_SHARED, fd, 0);
+  void* base = map_on_huge_page_boundary(fd, static_cast<size_t>(st.st_size));
   const int err = errno;
   close(fd);
   if (base == MAP_FAILED) throw std::runtime_error("cannot map " + path + ": " + errno_text(err));
