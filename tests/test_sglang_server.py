@@ -465,6 +465,28 @@ def test_truncated_converted_shard_is_named_before_the_workers_start(qwen, tmp_p
     assert f"cannot read {shard} (truncated or not safetensors" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_qwen3_moe_serves_a_packed_conversion(qwen, tmp_path):
+    """--kt-weight-path at a `convert-cpu --layout packed` directory: every layer computes from its
+    mapped file, and the ids and log-probabilities follow the standalone stack that quantizes the
+    checkpoint on load (the same packed bytes)."""
+    from kt_sglang.weights.convert_cpu import main as convert_cpu
+
+    model_dir, _ = qwen
+    out = tmp_path / "packed"
+    argv = ["--input-path", str(model_dir), "--output", str(out), "--quant-method", "AMXINT4"]
+    assert convert_cpu([*argv, "--layout", "packed"]) == 0
+    standalone = _standalone_model(model_dir, "AMXINT4", 2, 0)
+    prompts = _reference(standalone)
+    args = _kt(model_dir, "AMXINT4", 2)
+    args[args.index("--kt-weight-path") + 1] = str(out)
+    logprobs: list = []
+    outs, log = _serve_and_generate(model_dir, args, prompts, tmp_path / "server.log", logprobs)
+    layers = len(list(out.glob("*.ktpack")))
+    assert f"{layers} MoE layers ({layers} computed from mapped packed files)" in log
+    assert outs == [ids for _, ids in prompts]
+    assert (torch.tensor(logprobs) - _chosen_logprobs(standalone, prompts)).abs().max() < LOGPROB_TOL
+
+
 def test_help_lists_our_flags(tmp_path):
     r = subprocess.run(
         [sys.executable, "-m", "sglang.launch_server", "--help"],

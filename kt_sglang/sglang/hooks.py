@@ -158,9 +158,11 @@ def after_load_model(result, model_runner, *args, **kwargs):
         m.quant_method.attach(m, chain)
     HybridMoELayer.link([m.quant_method.hybrid for m in ours if m.quant_method.hybrid is not None])
     hot = [m.quant_method.num_hot for m in ours]
+    mapped = sum(m.quant_method.wrapper is not None and m.quant_method.wrapper.mapped for m in ours)
     logger.info(
         "kt-sglang: CPU experts on, method %s, %d threads in %d pool(s), ISA %s, "
-        "hot experts per MoE layer %s (%s placement), deferred per token %d, %d MoE layers",
+        "hot experts per MoE layer %s (%s placement), deferred per token %d, %d MoE layers "
+        "(%d computed from mapped packed files)",
         settings.method,
         settings.cpuinfer,
         settings.threadpool_count,
@@ -169,6 +171,7 @@ def after_load_model(result, model_runner, *args, **kwargs):
         settings.placement_strategy,
         settings.max_deferred_experts_per_token,
         len(ours),
+        mapped,
     )
     return result
 
