@@ -18,6 +18,7 @@
 #include "../activations.h"
 #include "../epilogue.h"
 #include "../tiles.h"
+#include "kt/kernels.h"
 #include "lanes.h"
 
 namespace kt::kernels::avx2 {
@@ -31,9 +32,15 @@ inline void gemm_quant_tile(int64_t K, const QuantRows& a, int i0, const uint8_t
                             int64_t ldc) {
   constexpr int64_t gbytes = group_bytes(D::kMethod, kGroup), wbytes = group_weight_bytes(D::kMethod, kGroup);
   const __m256i ones = _mm256_set1_epi16(1);
+  // Prefetch ahead of the weight stream as the AVX-512 kernels do (weight_prefetch_bytes: 4 KiB on
+  // Intel, none elsewhere): on an Emerald Rapids core, Qwen3 layer, one token, INT4 g32 1.92 -> 1.28
+  // ms, INT8 g32 2.78 -> 2.23 ms (the hardware prefetcher alone: 53-56% of the read bandwidth).
+  const int64_t ahead = (weight_prefetch_bytes() + gbytes - 1) / gbytes * gbytes;
   for (int64_t gi = 0; gi < K / kGroup; ++gi) {
     const int64_t k0 = gi * kGroup;
     const uint8_t* w = panel + gi * gbytes;
+    for (int64_t off = 0; ahead > 0 && off < gbytes; off += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(w) + ahead + off, _MM_HINT_T0);
     __m256i d[kRows][2];
     for (int i = 0; i < kRows; ++i) d[i][0] = d[i][1] = _mm256_setzero_si256();
     // Adds the s16 pair sums p of row i to half h's int32 sums.
