@@ -98,7 +98,8 @@ class LlamaCpp:
         self._proc = subprocess.Popen(
             [sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
         )
-        self.version = self.request(op="load", path=str(path), threads=threads, context=CONTEXT)["llama_cpp"]
+        loaded = self.request(op="load", path=str(path), threads=threads, context=CONTEXT)
+        self.version, self.system_info = loaded["llama_cpp"], loaded["system_info"]
 
     def request(self, **request) -> dict:
         self._proc.stdin.write(json.dumps(request) + "\n")
@@ -146,6 +147,7 @@ def bench_type(name: str, args: argparse.Namespace, gen: torch.Generator) -> dic
             "blocks": blocks,
             "isa": layers[0].isa,
             "llama_cpp": llama.version,
+            "llama_cpp_system_info": llama.system_info,
             "methods": [layers[0].method.value, layers[0].down_method.value],
         }
         llama.request(op="decode", tokens=4, seed=0)  # warm: pages in, scratch sized

@@ -3,7 +3,7 @@
 Run by that environment's interpreter, so it imports only the standard library and llama_cpp.
 
 Protocol: one JSON request per line on stdin, one JSON reply per line on stdout:
-  {"op": "load", "path", "threads", "context"}       -> {"llama_cpp": version}
+  {"op": "load", "path", "threads", "context"}       -> {"llama_cpp": version, "system_info": its build's ISA}
   {"op": "decode", "tokens", "seed"}                  -> {"seconds": [per token]}
   {"op": "prefill", "tokens", "seed"}                 -> {"seconds": one batch of that many tokens}
   {"op": "exit"}
@@ -39,7 +39,10 @@ def main() -> None:
                     n_ubatch=512,
                     verbose=False,
                 )
-                reply = {"llama_cpp": llama_cpp.__version__}
+                reply = {
+                    "llama_cpp": llama_cpp.__version__,
+                    "system_info": llama_cpp.llama_print_system_info().decode().strip(),
+                }
             elif op in ("decode", "prefill"):
                 rng = random.Random(request["seed"])
                 tokens = [rng.randrange(llm.n_vocab()) for _ in range(request["tokens"])]
