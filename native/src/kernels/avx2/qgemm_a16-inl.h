@@ -71,8 +71,11 @@ inline void gemm_a16_tile(int64_t K, const Int16Rows& a, int i0, const uint8_t* 
       return _mm256_srai_epi16(_mm256_slli_epi16(_mm256_shuffle_epi8(table, codes), 8), 8);
     return codes;
   };
+  const int64_t ahead = (weight_prefetch_bytes() + gbytes - 1) / gbytes * gbytes;  // as qgemm-inl.h
   for (int64_t gi = 0; gi < groups; ++gi) {
     const uint8_t* w = panel + gi * gbytes;
+    for (int64_t off = 0; ahead > 0 && off < gbytes; off += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(w) + ahead + off, _MM_HINT_T0);
     __m256i d[kRows][2];
     for (int i = 0; i < kRows; ++i) d[i][0] = d[i][1] = _mm256_setzero_si256();
     const int16_t* x[kRows];
