@@ -86,7 +86,7 @@ def _header_bytes(h: PackedHeader) -> bytes:
     return json.dumps(asdict(h), sort_keys=True).encode()
 
 
-def write_packed_layer(wrapper: BaseMoEWrapper, path: Path, layer: int, progress=None) -> int:
+def write_packed_layer(wrapper: BaseMoEWrapper, path: Path, layer: int) -> int:
     """Writes every expert of ``wrapper`` (which holds them all) to ``path`` atomically (a temporary
     name, then a rename, so a file that exists is complete). Returns the bytes written."""
     E = wrapper.num_experts
@@ -102,8 +102,6 @@ def write_packed_layer(wrapper: BaseMoEWrapper, path: Path, layer: int, progress
                 wrapper.export_packed(e, gate_up, down)
                 os.pwrite(f.fileno(), gate_up.data, h.gate_up_offset + e * h.gate_up_bytes)
                 os.pwrite(f.fileno(), down.data, h.down_offset + e * h.down_bytes)
-                if progress is not None:
-                    progress(1)
         os.replace(tmp, path)
     except OSError as exc:
         tmp.unlink(missing_ok=True)

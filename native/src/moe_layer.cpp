@@ -351,6 +351,7 @@ int64_t MoeLayer::file_down_bytes() const {
 void MoeLayer::export_packed(int slot, uint8_t* gate_up, uint8_t* down) const {
   if (slot < 0 || slot >= config_.num_experts || storage_[slot] < 0)
     throw std::invalid_argument("export_packed: slot " + std::to_string(slot) + " is not held by this layer");
+  if (!loaded_) throw std::runtime_error("export_packed before the weights were loaded");
   drain();
   const int64_t at = storage_[slot];
   const int64_t width = h_group();
