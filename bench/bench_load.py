@@ -8,7 +8,7 @@ Writes a Qwen3-30B-A3B-shaped checkpoint (bf16, per-expert tensors; H 2048, I 76
 a GGUF file of the same shape (``--gguf-type``, random blocks), then loads every MoE layer in a
 fresh process for each source (the checkpoint quantized on load; the converted directories; the
 GGUF through LLAMAFILE) and share of hot experts, twice: with the files dropped from the page cache
-(cold; needs root, else reported as warm) and again (warm). Reports
+(cold: all of it as root, else the files' own pages) and again (warm). Reports
 per case the load time, the peak (sampled every 2 ms) and final anonymous memory above the
 process's before loading (the mapped files' pages are the page cache's, not the engine's), and the
 packed bytes of the experts the engine holds; the bound the engine keeps is peak <= final + one
@@ -148,13 +148,26 @@ def write_gguf(path: Path, qtype_name: str, layers: int, H: int, I: int, E: int)
     w.close()
 
 
-def drop_page_cache() -> bool:
+def drop_page_cache(path: Path) -> bool:
+    """Evicts ``path``'s files (a file or a directory's) from the page cache: all of it as root, else
+    each file's clean pages (posix_fadvise), which needs no privilege."""
+    os.sync()
     try:
-        os.sync()
         Path("/proc/sys/vm/drop_caches").write_text("1\n")
         return True
     except OSError:
+        pass
+    files = [path] if path.is_file() else [f for f in path.rglob("*") if f.is_file()]
+    try:
+        for f in files:
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+    except (OSError, AttributeError):
         return False
+    return True
 
 
 def main() -> None:
@@ -194,7 +207,7 @@ def main() -> None:
     for source, path, method in sources:
         for hot in args.hot:
             for cache in ("cold", "warm"):
-                dropped = cache == "cold" and drop_page_cache()
+                dropped = cache == "cold" and drop_page_cache(path)
                 shape = json.dumps([E, K, H, I])
                 cmd = [
                     sys.executable,
