@@ -121,6 +121,15 @@ def test_export_from_two_pools_equals_the_file(checkpoint, packed):
         w.export_packed(0, gate_up[:-1], down)
 
 
+def test_converting_in_a_process_with_two_pools_writes_the_same_file(checkpoint, packed, tmp_path):
+    """The packing layer takes the pools a process already runs (a library user's), and their
+    slices gather into the same file."""
+    layer(checkpoint, "AMXINT4", pools=2)  # starts two pools
+    out = convert_packed(checkpoint, tmp_path / "p", "int4")
+    for name in (packed_file(1), packed_file(2)):
+        assert (out / name).read_bytes() == (packed["int4"] / name).read_bytes()
+
+
 def test_mapped_layer_loads_nothing_else(packed):
     w = layer(packed["int8"], "AMXINT8")
     w.load_weights()

@@ -128,6 +128,12 @@ class SharedRunner:
             return cls._runner, cls._workspace
 
     @classmethod
+    def current(cls) -> PoolLayout | None:
+        """The layout of the process's pools, None before the first layer starts them."""
+        with cls._lock:
+            return cls._layout
+
+    @classmethod
     def reset(cls) -> None:
         """Forgets the shared runner: the next layer starts new pools (layers built before keep theirs)."""
         with cls._lock:

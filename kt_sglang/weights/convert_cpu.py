@@ -290,10 +290,17 @@ def convert(args: argparse.Namespace) -> Path:
 
 
 def _packer(manifest: Manifest, threads: int):
-    """A layer holding every expert on one pool: it packs each converted layer for the file."""
+    """A layer holding every expert: it packs each converted layer for the file (whatever its pools:
+    export_packed gathers their slices). In a process whose pools are started, on those pools."""
     from kt_sglang.engine.base import BaseMoEWrapper
     from kt_sglang.engine.config import MoEConfig
+    from kt_sglang.engine.pools import SharedRunner
 
+    started = SharedRunner.current()
+    pools = {"cpuinfer_threads": threads, "threadpool_count": 1}
+    if started is not None:
+        pools = {"cpuinfer_threads": started.threads, "threadpool_count": started.pools}
+        pools["numa_nodes"] = list(started.nodes)
     config = MoEConfig(
         layer_idx=0,
         num_experts=manifest.num_experts,
@@ -301,10 +308,9 @@ def _packer(manifest: Manifest, threads: int):
         hidden_size=manifest.hidden_size,
         moe_intermediate_size=manifest.intermediate_size,
         gpu_experts_mask=None,
-        cpuinfer_threads=threads,
-        threadpool_count=1,
         method=manifest.method,
         group_size=manifest.group_size,
+        **pools,
     )
     return BaseMoEWrapper(config)
 
