@@ -278,24 +278,6 @@ MappedFile::~MappedFile() {
 
 namespace {
 
-// Pool `pw`'s slice of one expert in the packed file layout (one pool over the whole intermediate
-// dimension): f(file_offset, pool_offset, bytes) for each contiguous run. Gate/up blocks are whole
-// groups of intermediate channels in order, so a slice is one run; a down panel holds all of the
-// intermediate dimension in groups, so a slice is one run per panel.
-template <class F>
-void gate_up_runs(const MoeLayer::PoolWeights& pw, int64_t file_block_bytes, int64_t block_width, F&& f) {
-  f(pw.i_begin / block_width * file_block_bytes, int64_t{0}, pw.gate_up_bytes);
-}
-template <class F>
-void down_runs(const MoeLayer::PoolWeights& pw, int64_t file_panel_bytes, int64_t group_bytes_,
-               int down_group, F&& f) {
-  const int64_t slice = (pw.i_end - pw.i_begin) / down_group * group_bytes_;
-  const int64_t first = pw.i_begin / down_group * group_bytes_;
-  if (slice == 0) return;
-  for (int64_t p = 0; p < pw.down_region.rows / kPanelWidth; ++p)
-    f(p * file_panel_bytes + first, p * slice, slice);
-}
-
 std::string errno_text(int err) {
   return std::strerror(err);
 }
@@ -348,24 +330,36 @@ int64_t MoeLayer::file_down_bytes() const {
                              {0, round_up(config_.hidden, kPanelWidth), 0, intermediate_padded_});
 }
 
+template <class G, class D>
+void MoeLayer::for_each_file_run(const PoolWeights& pw, G&& gate_up, D&& down) const {
+  // Gate/up blocks are whole groups of intermediate channels in order: a slice is one run.
+  const int64_t width = h_group();
+  const int64_t block = 2 * (width / kPanelWidth) * panel_bytes(config_.method, group_, hidden_padded_);
+  gate_up(pw.i_begin / width * block, int64_t{0}, pw.gate_up_bytes);
+  // A down panel holds all of the intermediate dimension in groups: one run per panel.
+  const int64_t group = config_.down_group, gb = group_bytes(*config_.down_method, group);
+  const int64_t file_panel = intermediate_padded_ / group * gb;
+  const int64_t slice = (pw.i_end - pw.i_begin) / group * gb, first = pw.i_begin / group * gb;
+  if (slice == 0) return;
+  for (int64_t p = 0; p < pw.down_region.rows / kPanelWidth; ++p)
+    down(p * file_panel + first, p * slice, slice);
+}
+
 void MoeLayer::export_packed(int slot, uint8_t* gate_up, uint8_t* down) const {
   if (slot < 0 || slot >= config_.num_experts || storage_[slot] < 0)
     throw std::invalid_argument("export_packed: slot " + std::to_string(slot) + " is not held by this layer");
   if (!loaded_) throw std::runtime_error("export_packed before the weights were loaded");
   drain();
   const int64_t at = storage_[slot];
-  const int64_t width = h_group();
-  const int64_t block = 2 * (width / kPanelWidth) * panel_bytes(config_.method, group_, hidden_padded_);
-  const int64_t gb = group_bytes(*config_.down_method, config_.down_group);
-  const int64_t file_panel = intermediate_padded_ / config_.down_group * gb;
-  for (const auto& pw : pools_) {
-    gate_up_runs(*pw, block, width, [&](int64_t file, int64_t pool, int64_t n) {
-      std::memcpy(gate_up + file, pw->gate_up + at * pw->gate_up_bytes + pool, n);
-    });
-    down_runs(*pw, file_panel, gb, config_.down_group, [&](int64_t file, int64_t pool, int64_t n) {
-      std::memcpy(down + file, pw->down + at * pw->down_bytes + pool, n);
-    });
-  }
+  for (const auto& pw : pools_)
+    for_each_file_run(
+        *pw,
+        [&](int64_t file, int64_t pool, int64_t n) {
+          std::memcpy(gate_up + file, pw->gate_up + at * pw->gate_up_bytes + pool, n);
+        },
+        [&](int64_t file, int64_t pool, int64_t n) {
+          std::memcpy(down + file, pw->down + at * pw->down_bytes + pool, n);
+        });
 }
 
 void MoeLayer::map_packed(const std::string& path, int64_t gate_up_offset, int64_t down_offset,
@@ -410,10 +404,6 @@ void MoeLayer::map_packed(const std::string& path, int64_t gate_up_offset, int64
   const bool in_place = pools_.size() == 1;
   // Streamed like the anonymous copies are (2 MiB pages where the page cache has them).
   if (in_place) madvise(base, file->bytes, MADV_HUGEPAGE);
-  const int64_t width = h_group();
-  const int64_t block = 2 * (width / kPanelWidth) * panel_bytes(config_.method, group_, hidden_padded_);
-  const int64_t gb = group_bytes(*config_.down_method, config_.down_group);
-  const int64_t file_panel = intermediate_padded_ / config_.down_group * gb;
   auto& counter = workspace_->load_counter.value;
   counter.store(0);
   runner_->run([&](const WorkerContext&) {
@@ -427,14 +417,15 @@ void MoeLayer::map_packed(const std::string& path, int64_t gate_up_offset, int64
         return;
       }
       const int64_t at = storage_[e];
-      for (const auto& pw : pools_) {
-        gate_up_runs(*pw, block, width, [&](int64_t f, int64_t p, int64_t n) {
-          std::memcpy(pw->gate_up + at * pw->gate_up_bytes + p, gu + f, n);
-        });
-        down_runs(*pw, file_panel, gb, config_.down_group, [&](int64_t f, int64_t p, int64_t n) {
-          std::memcpy(pw->down + at * pw->down_bytes + p, dn + f, n);
-        });
-      }
+      for (const auto& pw : pools_)
+        for_each_file_run(
+            *pw,
+            [&](int64_t f, int64_t p, int64_t n) {
+              std::memcpy(pw->gate_up + at * pw->gate_up_bytes + p, gu + f, n);
+            },
+            [&](int64_t f, int64_t p, int64_t n) {
+              std::memcpy(pw->down + at * pw->down_bytes + p, dn + f, n);
+            });
     });
   });
   if (in_place) {

@@ -157,6 +157,10 @@ class MoeLayer {
 
  private:
   void check_not_mapped() const;
+  // Pool `pw`'s slice of one expert in the packed file layout, as contiguous runs:
+  // gate_up(file_offset, pool_offset, bytes) and down(file_offset, pool_offset, bytes).
+  template <class G, class D>
+  void for_each_file_run(const PoolWeights& pw, G&& gate_up, D&& down) const;
   void pack_expert(int slot, const CanonicalMatrix& gate, const CanonicalMatrix& up,
                    const CanonicalMatrix& down);
   // The forward task and its steps (moe_forward.cpp), in the order they run per chunk of tokens.
