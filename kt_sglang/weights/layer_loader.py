@@ -210,8 +210,8 @@ def _load_canonical_dir(layer: KTMoEWrapper, physical_to_logical_map) -> None:
         slots = layer.slot_map(physical_to_logical_map, m.num_experts) or list(range(layer.num_experts))
         slot_to_file = [s if layer.holds(e) else -1 for e, s in enumerate(slots)]
         path = directory / packed_files.packed_file(layer.layer_idx)
-        packed_files.check_layer_file(path, m.method, m.group_size, layer.layer_idx, m.num_experts)
-        packed_files.map_packed_layer(layer, path, layer.layer_idx, slot_to_file)
+        header = packed_files.check_layer_file(path, m.method, m.group_size, layer.layer_idx, m.num_experts)
+        packed_files.map_packed_layer(layer, path, header, slot_to_file)
         return
     needed, positions = _read_plan(layer, physical_to_logical_map, m.num_experts)
     mats = read_layer(directory, m, layer.layer_idx, needed)

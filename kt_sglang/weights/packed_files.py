@@ -137,17 +137,15 @@ def read_header(path: Path) -> PackedHeader:
     return header
 
 
-def map_packed_layer(wrapper: BaseMoEWrapper, path: Path, layer: int, slot_to_source: list[int]) -> None:
-    """Gives ``wrapper``'s held slots the file's experts (slot e: expert ``slot_to_source[e]``)."""
-    h = read_header(path)
-    ours = header_for(wrapper, layer, h.num_experts)
+def map_packed_layer(wrapper: BaseMoEWrapper, path: Path, h: PackedHeader, slot_to_source: list[int]) -> None:
+    """Gives ``wrapper``'s held slots the experts of the file ``h`` heads (check_layer_file's: this
+    layer's, complete), slot e expert ``slot_to_source[e]``."""
+    ours = header_for(wrapper, h.layer, h.num_experts)
     for field in ("method", "group_size", "down_method", "down_group", "hidden_size", "intermediate_size"):
         if getattr(h, field) != getattr(ours, field):
             raise CheckpointError(
                 f"{path}: written with {field} {getattr(h, field)}; this layer has {getattr(ours, field)}"
             )
-    if h.layer != layer:
-        raise CheckpointError(f"{path} holds layer {h.layer}, not {layer}")
     # same method, group and shapes, so a different size per expert means another layout
     if (h.gate_up_bytes, h.down_bytes) != (ours.gate_up_bytes, ours.down_bytes):
         raise CheckpointError(
