@@ -71,7 +71,7 @@ inline void gemm_a16_tile(int64_t K, const Int16Rows& a, int i0, const uint8_t* 
       return _mm256_srai_epi16(_mm256_slli_epi16(_mm256_shuffle_epi8(table, codes), 8), 8);
     return codes;
   };
-  const int64_t ahead = (weight_prefetch_bytes() + gbytes - 1) / gbytes * gbytes;  // as qgemm-inl.h
+  const int64_t ahead = prefetch_distance(gbytes);
   for (int64_t gi = 0; gi < groups; ++gi) {
     const uint8_t* w = panel + gi * gbytes;
     for (int64_t off = 0; ahead > 0 && off < gbytes; off += 64)

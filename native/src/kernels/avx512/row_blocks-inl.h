@@ -13,15 +13,6 @@
 
 namespace kt::kernels::avx512 {
 
-// How far ahead of each weight stream the quantized kernels prefetch (into L1), in whole groups:
-// weight_prefetch_bytes() (kt/kernels.h) rounded up, 0 for none. On Sapphire Rapids the hardware
-// prefetcher alone left INT4 decode at 60% of the read bandwidth, and 4 KiB ahead beat 8 groups of
-// INT8 (8.4 KiB per panel, past L1) by 5-9% (both measured with four panels per pass).
-inline int64_t prefetch_distance(int64_t gbytes) {
-  const int64_t bytes = weight_prefetch_bytes();
-  return (bytes + gbytes - 1) / gbytes * gbytes;
-}
-
 // Calls rows(std::integral_constant<int, kRows>, i0, panel, out) for every panel with kRows = 4,
 // then once with the 1-3 rows left over; out[i] points at the 16 outputs of row i0 + i for `panel`.
 // One panel per pass: with the sums in registers (with_group) its kChains independent chains keep
