@@ -22,8 +22,10 @@ from kt_sglang.weights.source import CheckpointError
 if TYPE_CHECKING:
     from kt_sglang.engine.wrapper import KTMoEWrapper
 
-# Dense expert weights read per step when a checkpoint is quantized at load, and canonical matrices
-# transcoded per step from a GGUF file: the transient copies stay this small, whatever the layer's size.
+# Dense expert weights read per step when a checkpoint is quantized at load (at most the layer's
+# packed bytes, so that a load's peak stays within one layer's worth of transient copies), and
+# canonical matrices transcoded per step from a GGUF file: the transient copies stay this small,
+# whatever the layer's size.
 DENSE_STEP_BYTES = 256 * 2**20
 GGUF_STEP_BYTES = 64 * 2**20
 
@@ -120,7 +122,7 @@ def _load_hf_checkpoint(layer: KTMoEWrapper, physical_to_logical_map) -> None:
         _load_read(layer, ([], [], []), positions)
     else:  # a few experts at a time: the dense copies never add up to a layer
         per_expert = 3 * spec.hidden_size * spec.intermediate_size * 4  # bytes, fp32 at most
-        step = max(1, DENSE_STEP_BYTES // per_expert)
+        step = max(1, min(DENSE_STEP_BYTES, layer.packed_bytes) // per_expert)
         for first in range(0, len(needed), step):
             chunk = needed[first : first + step]
             gate, up, down = ckpt.layer_experts(layer.layer_idx, chunk)
