@@ -300,3 +300,30 @@ def test_denormals_on_the_tile_unit_as_in_the_model():
             run(backend, cfg, prog)
             out.append(c.view(torch.float32)[0, 0].item())
         assert out[0] == out[1], (a_value, b_value, c_value, out)
+
+
+@pytest.mark.parametrize("rows", [32, 64, 96])
+def test_int4_layer_sums_all_of_k_in_the_tiles_from_64_rows(rows):
+    """A modelled AMX INT4 layer, one expert (hidden 256, intermediate 192, groups of 64): from 64
+    rows gate/up and down both run the whole-K kernel (h quantized with one scale per row), 4 tile
+    stores per 32-row block and channel pair over all of K; below, the group kernel stores 4 per
+    group. Every dot product is an integer one (16 x 16 x 64 multiply-adds): no bf16 path."""
+    if "amx-emu" not in SUPPORTED_ISAS:
+        pytest.skip("the modelled AMX kernels need AVX-512 with VNNI, BF16 and VBMI")
+    from conftest import make_hidden, make_weights
+
+    from kt_sglang import KTMoEWrapper
+
+    H, I, group = 256, 192, 64
+    gate, up, down = make_weights(1, I, H)
+    layer = KTMoEWrapper(0, 1, 1, H, I, None, 1, 1, method="AMXINT4", isa="amx-emu")
+    layer.load_weights_from_tensors(gate.bfloat16(), up.bfloat16(), down.bfloat16())
+    _native.amx_model_reset_counters()
+    layer.forward(make_hidden(rows, H), torch.zeros(rows, 1, dtype=torch.int64), torch.ones(rows, 1))
+    counts = _native.amx_model_counters()
+    blocks = -(-rows // 32)
+    pairs = {"gate/up": 2 * I // 32, "down": H // 32}  # channel pairs of 16-channel panels
+    k_groups = {"gate/up": H // group, "down": I // group}
+    per_block_and_pair = {name: 4 if rows >= 64 else 4 * k_groups[name] for name in pairs}
+    assert counts["stores"] == sum(blocks * pairs[n] * per_block_and_pair[n] for n in pairs)
+    assert counts["macs"] == 16 * 16 * 64 * counts["dots"]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import AMX_ISAS, isa_params, make_hidden, make_routing, make_weights
+from conftest import AMX_ISAS, SUPPORTED_ISAS, isa_params, make_hidden, make_routing, make_weights
 
 from kt_sglang import KTMoEWrapper
 from kt_sglang.engine import SharedRunner
@@ -118,10 +118,13 @@ def test_group_sizes_agree_across_isas(method, group_size, isa):
 
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("threads,pools,numa_nodes", [(1, 1, None), (2, 1, None), (2, 2, [0, 0])])
-@pytest.mark.parametrize("T", [70, 6], ids=["outputs-per-token", "outputs-per-row"])
+@pytest.mark.parametrize("T", [70, 6, 300], ids=["outputs-per-token", "outputs-per-row", "75-rows-an-expert"])
 def test_threads_and_pools_agree(method, threads, pools, numa_nodes, T):
     """Pools split the intermediate dimension; any split gives the same result up to rounding.
-    Batches of at most 32 tokens keep each row's down projection apart and sum a token's rows."""
+    Batches of at most 32 tokens keep each row's down projection apart and sum a token's rows.
+    From 64 rows AMX INT4's down projection quantizes h with one scale per row and requantizes its
+    weights per channel, each over a pool's slice of the intermediate dimension, so a split moves
+    the result by that int8 rounding (measured 0.018 against INT4's own 0.146)."""
     E, k, H, I = 16, 4, 512, 704
     gate, up, down = make_weights(E, I, H, seed=5)
     ids, weights = make_routing(T, E, k)
@@ -143,7 +146,8 @@ def test_threads_and_pools_agree(method, threads, pools, numa_nodes, T):
     assert relative_error(out, ref) <= BOUNDS[method]
     SharedRunner.reset()  # the process-wide pools are fixed by the first layer; start others
     single = run_layer(method, None, gate, up, down, x, ids, weights, threads=1, pools=1)
-    assert relative_error(out, single) <= 2e-3
+    whole_k_down = method == "AMXINT4" and T >= 64 * E // k and "amx" in SUPPORTED_ISAS
+    assert relative_error(out, single) <= (0.03 if whole_k_down and pools > 1 else 2e-3)
 
 
 @pytest.mark.parametrize("method", METHODS)

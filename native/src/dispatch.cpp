@@ -45,10 +45,13 @@ KernelTable make_table(Isa isa) {
   // tiles from 64 rows (amx/qgemm-inl.h) and is the faster at every size (Qwen3 at 4096 tokens, 256
   // rows per expert: x1.13-1.23 without A16).
   if (isa >= Isa::kAmx) t.methods[static_cast<int>(Method::kInt8)].gate_up_a16_min_rows = 160;
-  // INT4's down projection reads h per group, so it runs the group kernel (an epilogue per group);
-  // from 64 rows the A16 kernel (h in bf16, weights dequantized per call, no epilogue) outruns it:
-  // one core, Qwen3 down (K 768, 2048 channels), 64 / 128 / 256 / 512 rows: x1.21 / 1.59 / 1.75 / 1.75.
-  if (isa >= Isa::kAmx) t.methods[static_cast<int>(Method::kInt4)].down_a16_min_rows = 64;
+  // INT4's down projection with h quantized per group runs the group kernel (an epilogue per
+  // group); with one scale per row, from kernels::kAmxWholeKMinRows rows, the whole-K kernel. One
+  // core, interleaved, whole-K over the A16 kernel (h in bf16, weights dequantized per call), 64 /
+  // 128 / 256 rows: Qwen3 down (K 768, 2048 channels) x1.63 / 1.74 / 1.62, DeepSeek down (K 2048,
+  // 7168 channels) x1.97 / 1.78 / 1.80.
+  if (isa >= Isa::kAmx)
+    t.methods[static_cast<int>(Method::kInt4)].down_h_per_row_min_rows = kernels::kAmxWholeKMinRows;
   for (const auto& m : kMethodTable) {
     const MethodKernels& k = t.method(m.method);
     const bool needs_q8 = m.gate_up_input == Activation::kInt8 || m.down_input == Activation::kInt8;

@@ -128,8 +128,8 @@ void point_rows(KernelScratch& sc, const MoeWorkspace& ws, int e, int64_t r0, in
     sc.ptr_a[i] = tiled_row(const_cast<uint8_t*>(rows_base), r0 + i + padding_before(ws, e), row_bytes);
 }
 
-// Row r of expert e's h (a pool's `slice` of it), quantized to int8 per group for the down
-// projection (int8_h methods).
+// Row r of expert e's h (a pool's `slice` of it), quantized to int8 for the down projection
+// (int8_h methods): per group, or with one scale for the row (ws.h_per_row).
 void quantize_h_row(const MoeWorkspace& ws, MoeWorkspace::PoolScratch& ps, int64_t slice, int G, int e,
                     int64_t r) {
   thread_local std::vector<float> row;
@@ -142,7 +142,7 @@ void quantize_h_row(const MoeWorkspace& ws, MoeWorkspace::PoolScratch& ps, int64
     const uint16_t* chunk = kernels::bf16_at(h, 0, k0);
     for (int64_t j = 0; j < kChunkBytes / 2; ++j) row[k0 + j] = bf16_to_float(chunk[j]);
   }
-  quantize_activation_row(row.data(), slice, G, false, reinterpret_cast<int8_t*>(q.data()),
+  quantize_activation_row(row.data(), slice, G, ws.h_per_row[e], reinterpret_cast<int8_t*>(q.data()),
                           ps.h_scale.data() + pr * (slice / G), ps.h_sum.data() + pr * (slice / G));
   store_tiled(tiled_row(ps.h_q.data(), pr, slice), 0, q.data(), slice);
 }
@@ -238,7 +238,7 @@ void MoeLayer::route(const Chunk& chunk) {
                down_a16] = chunk;
   const int64_t elem = int8_x ? 1 : 2;  // bytes per gathered activation value
   const int a16_min_rows = table_.method(config_.method).gate_up_a16_min_rows;
-  const int down_a16_min_rows = table_.method(*config_.down_method).down_a16_min_rows;
+  const int h_per_row_min_rows = table_.method(*config_.down_method).down_h_per_row_min_rows;
   ws.bad_routing = true;  // until routing succeeds
   ws.failed.store(false, std::memory_order_relaxed);
   guarded(*runner_, ws.failed, [&] {
@@ -251,13 +251,13 @@ void MoeLayer::route(const Chunk& chunk) {
                ws);
     ws.padded_offsets.assign(E + 1, 0);
     ws.a16.assign(E, 0);
-    ws.down_a16.assign(E, 0);
+    ws.h_per_row.assign(E, 0);
     bool any_a16 = false;
     for (int e = 0; e < E; ++e) {
       ws.padded_offsets[e + 1] = ws.padded_offsets[e] + round_up(ws.counts[e], kRowBlock);
       ws.a16[e] = int8_x && a16_min_rows > 0 && ws.counts[e] >= a16_min_rows;
       any_a16 = any_a16 || ws.a16[e];
-      ws.down_a16[e] = int8_h && down_a16_min_rows > 0 && ws.counts[e] >= down_a16_min_rows;
+      ws.h_per_row[e] = int8_h && h_per_row_min_rows > 0 && ws.counts[e] >= h_per_row_min_rows;
     }
     const int64_t R = ws.offsets[E], Rp = ws.padded_offsets[E];
     if (int8_x) grow(ws.x_q, Tc * Hp), grow(ws.x_scale, Tc * Hp / G), grow(ws.x_sum, Tc * Hp / G);
@@ -413,7 +413,7 @@ void MoeLayer::gate_up(const Chunk& chunk, const WorkerContext& ctx) {
           if (ps.ready[a].fetch_add(last - first, std::memory_order_acq_rel) + last - first < slice_groups)
             return;
           const int e = ws.active[a];
-          if (int8_h && !ws.down_a16[e])
+          if (int8_h)
             for (int64_t r = ws.offsets[e]; r < ws.offsets[e + 1]; ++r)
               quantize_h_row(ws, ps, slice, Gd, e, r);
           ps.ready[a].store(slice_groups + 1, std::memory_order_release);
@@ -430,10 +430,9 @@ void MoeLayer::quantize_h(const Chunk& chunk, const WorkerContext& ctx) {
   const int G = chunk.Gd;
   guarded(*runner_, ws.failed, [&] {
     for (int e : ws.active)
-      if (!ws.down_a16[e])
-        for (int64_t r = first_row_of(ws.offsets[e], ctx.rank_in_pool, ctx.pool_size); r < ws.offsets[e + 1];
-             r += ctx.pool_size)
-          quantize_h_row(ws, ps, slice, G, e, r);
+      for (int64_t r = first_row_of(ws.offsets[e], ctx.rank_in_pool, ctx.pool_size); r < ws.offsets[e + 1];
+           r += ctx.pool_size)
+        quantize_h_row(ws, ps, slice, G, e, r);
   });
 }
 
@@ -463,7 +462,7 @@ void MoeLayer::down(const Chunk& chunk, const WorkerContext& ctx) {
       const int64_t step = rows_per_call(ws.counts[e]);
       for (int64_t r0 = ws.offsets[e]; r0 < ws.offsets[e + 1]; r0 += step) {
         const int m = static_cast<int>(std::min<int64_t>(step, ws.offsets[e + 1] - r0));
-        if (int8_h && !ws.down_a16[e]) {
+        if (int8_h) {
           point_rows(sc, ws, e, r0, m, ps.h_q.data(), slice);
           for (int i = 0; i < m; ++i) {
             const int64_t pr = r0 + i + padding_before(ws, e);

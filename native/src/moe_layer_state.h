@@ -36,9 +36,9 @@ struct MoeWorkspace : ExpertRows {
   // the A16 kernel (a16[e]), bf16 in x_rows16 instead, at the same padded rows.
   AlignedVector<uint8_t> x_rows, x_rows16;
   std::vector<char> a16;  // [E]
-  // int8_h methods: experts whose down projection reads the bf16 h through the A16 kernel
-  // (MethodKernels::down_a16_min_rows); their h is not quantized.
-  std::vector<char> down_a16;  // [E]
+  // int8_h methods: experts whose h is quantized with one scale per row of a pool's slice
+  // (MethodKernels::down_h_per_row_min_rows), the others' per group.
+  std::vector<char> h_per_row;  // [E]
   struct PoolScratch {
     AlignedVector<uint8_t> h_rows;  // per row, tiled: the bf16 intermediate (every method)
     // int8_h methods: h per row quantized to int8 (tiled, same padded rows), scales and sums per group

@@ -63,8 +63,9 @@ struct MethodKernels {
   // through the A16 kernel (bf16 inputs, no per-group epilogue); 0: never (the int8-input kernel is
   // faster at every size).
   int gate_up_a16_min_rows = 0;
-  // The same for the down projection of a method with an int8 h (its h then stays in bf16).
-  int down_a16_min_rows = 0;
+  // Experts of a method with an int8 h that have at least this many rows quantize h with one scale
+  // per row instead of per group (the AMX INT4 kernel then sums all of K in the tiles); 0: never.
+  int down_h_per_row_min_rows = 0;
 };
 
 // The fine-tuning kernels (kt/lora.h; src/kernels/<isa>/lora_ops.cpp, lora_loops.cpp). The
@@ -147,6 +148,10 @@ KT_DECLARE_KERNELS(avx512)
 KT_DECLARE_KERNELS(amx)
 KT_DECLARE_KERNELS(amx_emu)  // the AMX kernels on the tile unit's software model
 #undef KT_DECLARE_KERNELS
+// AMX INT4 calls of at least this many rows with one activation scale per row requantize their
+// panels to int8 with one scale per channel, so that a block of rows sums all of K in the tiles and
+// scales once (gemm_int4_whole_k in src/kernels/amx/qgemm-inl.h).
+inline constexpr int kAmxWholeKMinRows = 64;
 // Element-wise kernels: AMX adds nothing to them, so the AMX table takes AVX-512's.
 #define KT_DECLARE_VECTOR_OPS(ns)                                                                     \
   namespace ns {                                                                                      \

@@ -64,11 +64,6 @@ inline void tile_row_blocks(const QuantRows& a, int m, int64_t K, AlignedVector<
   }
 }
 
-// INT4 rows with one activation scale per row (MethodTraits::int8_scale_per_row), from this many
-// rows: a call requantizes its panels to int8 with one scale per channel, so that a block of rows
-// sums all of K in the tiles and scales once (gemm_int4_whole_k).
-inline constexpr int kWholeKMinRows = 64;
-
 inline bool one_scale_per_row(const QuantRows& a, int m, int64_t groups) {
   for (int i = 0; i < m; ++i)
     for (int64_t g = 1; g < groups; ++g)
@@ -261,7 +256,7 @@ void gemm_q8(int m, int64_t K, int group, const QuantRows& a, const uint8_t* pan
              int64_t ldc) {
   if (m <= 4 || group % 32 != 0) return avx512::gemm_q8<D>(m, K, group, a, panels, npanels, c, ldc);
   if constexpr (method_traits(D::kMethod).gate_up_input_per_row)
-    if (m >= kWholeKMinRows && one_scale_per_row(a, m, K / group))
+    if (m >= kAmxWholeKMinRows && one_scale_per_row(a, m, K / group))
       return gemm_int4_whole_k<D>(m, K, group, a, panels, npanels, c, ldc);
   const int k_bytes = std::min(group, 64);  // K-values per dot product
   configure_tiles(k_bytes);
