@@ -91,8 +91,9 @@ struct MoeLayer::Chunk {
   int E, K, P, G, Gd;      // experts, top-k, pools, quantization groups of gate/up and down
   int64_t H, Hp, Hy, Gh;   // hidden size, padded to the group and to 16; intermediate block
   // Gate/up read int8 inputs quantized per (token, group) (else bf16), the down projection an int8
-  // h quantized per (row, group) (else bf16): MethodTraits::gate_up_input / down_input. The
-  // bf16-input kernel also runs gate/up of the experts with many rows (ws.a16) where it is faster.
+  // h quantized per (row, group) or per row (ws.h_per_row; else bf16): MethodTraits::gate_up_input
+  // / down_input. The bf16-input kernel also runs gate/up of the experts with many rows (ws.a16)
+  // where it is faster.
   bool int8_x, int8_h;
   GemmQ8Fn gemm_q, down_q;  // gate/up's kernels, down's
   GemmA16Fn gemm_a16, down_a16;
