@@ -8,8 +8,9 @@ import struct
 
 import pytest
 import torch
-from conftest import SUPPORTED_ISAS
+from conftest import SUPPORTED_ISAS, make_hidden, make_weights
 
+from kt_sglang import KTMoEWrapper
 from kt_sglang.engine.native import _native
 
 INT8_DOTS = {
@@ -182,11 +183,14 @@ def test_reserved_bytes_fault():
         run("model", cfg, [])
 
 
+NEEDS_AMX_MODEL = pytest.mark.skipif(
+    "amx-emu" not in SUPPORTED_ISAS, reason="the modelled AMX kernels need AVX-512 with VNNI, BF16 and VBMI"
+)
+
+
 def modelled_counts(method, group: int, m: int, K: int, npanels: int) -> dict:
     """The model's counters over one int8-input kernel call (rows with one scale per row and group
     alike, zero weights)."""
-    if "amx-emu" not in SUPPORTED_ISAS:
-        pytest.skip("the modelled AMX kernels need AVX-512 with VNNI, BF16 and VBMI")
     q = torch.randint(-127, 128, (m, K), dtype=torch.int8)
     scales = torch.ones(m, K // group)
     sums = torch.zeros(m, K // group)
@@ -198,6 +202,7 @@ def modelled_counts(method, group: int, m: int, K: int, npanels: int) -> dict:
     return _native.amx_model_counters()
 
 
+@NEEDS_AMX_MODEL
 @pytest.mark.parametrize("group", [32, 64, 128])
 def test_counters_measure_a_kernels_structure(group):
     """The modelled AMX INT8 kernel on 64 rows x 4 panels x K 256: per K-step (64 K-values, 32 in groups
@@ -215,6 +220,7 @@ def test_counters_measure_a_kernels_structure(group):
     assert counts["macs"] == m * K * 16 * npanels
 
 
+@NEEDS_AMX_MODEL
 @pytest.mark.parametrize("group", [32, 64, 128])
 def test_counters_measure_the_whole_k_int4_kernel(group):
     """The modelled AMX INT4 kernel for rows with one activation scale, 96 rows x 4 panels x K 512:
@@ -302,18 +308,13 @@ def test_denormals_on_the_tile_unit_as_in_the_model():
         assert out[0] == out[1], (a_value, b_value, c_value, out)
 
 
+@NEEDS_AMX_MODEL
 @pytest.mark.parametrize("rows", [32, 64, 96])
 def test_int4_layer_sums_all_of_k_in_the_tiles_from_64_rows(rows):
     """A modelled AMX INT4 layer, one expert (hidden 256, intermediate 192, groups of 64): from 64
     rows gate/up and down both run the whole-K kernel (h quantized with one scale per row), 4 tile
     stores per 32-row block and channel pair over all of K; below, the group kernel stores 4 per
     group. Every dot product is an integer one (16 x 16 x 64 multiply-adds): no bf16 path."""
-    if "amx-emu" not in SUPPORTED_ISAS:
-        pytest.skip("the modelled AMX kernels need AVX-512 with VNNI, BF16 and VBMI")
-    from conftest import make_hidden, make_weights
-
-    from kt_sglang import KTMoEWrapper
-
     H, I, group = 256, 192, 64
     gate, up, down = make_weights(1, I, H)
     layer = KTMoEWrapper(0, 1, 1, H, I, None, 1, 1, method="AMXINT4", isa="amx-emu")
