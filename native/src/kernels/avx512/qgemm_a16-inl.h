@@ -93,7 +93,7 @@ inline void gemm_a16_rows(int64_t K, const Int16Rows& a, int i0, const uint8_t* 
   for (int64_t gi = 0; gi < groups; ++gi) {
     const uint8_t* w = panel + gi * gbytes;
     const char* ahead = reinterpret_cast<const char*>(w) + ahead_bytes;
-    for (int64_t off = 0; ahead_bytes > 0 && off < gbytes; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
+    for (int64_t off = 0; ahead_bytes > 0 && off < gbytes; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T1);
     for (int i = 0; i < kRows; ++i)
       for (int u = 0; u < kChains; ++u) d[i][u] = _mm512_setzero_si512();
     const int16_t* x[kRows];
