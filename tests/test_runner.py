@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import pytest
 import torch
@@ -143,3 +144,52 @@ def test_error_does_not_block_later_tasks():
 def test_runner_rejects_empty_pools():
     with pytest.raises(ValueError, match="at least one thread"):
         _native.Runner([(0, [])])
+
+
+def _cpus_allowed(task: str) -> set[int] | None:
+    try:
+        with open(f"/proc/self/task/{task}/status") as f:
+            text = f.read()
+    except FileNotFoundError:  # the thread ended
+        return None
+    spec = next(line.split()[1] for line in text.splitlines() if line.startswith("Cpus_allowed_list"))
+    cpus = set()
+    for part in spec.split(","):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs: one-core pools pull no worker")
+def test_pulled_workers_return_to_their_pool():
+    """A worker waiting at a barrier moves a late one onto its own core for that barrier only. The
+    late one restores its pool's cores when it arrives; a restore that came before the move left it
+    bound to the other worker's core for good (both workers of a 2-core pool on one core, decode 2x
+    slower), about 3 s into back-to-back one-token calls on the 2-core Xeon."""
+    cpus = sorted(os.sched_getaffinity(0))[:2]
+    before = set(os.listdir("/proc/self/task"))
+    runner = _native.Runner([(0, cpus)])
+    workers = set(os.listdir("/proc/self/task")) - before
+    assert len(workers) == 2
+    E, k, H, I = 64, 8, 2048, 768
+    gate, up, down = make_weights(E, I, H, seed=5)
+    layer = _native.MoeLayer(
+        runner, _native.Workspace(), E, k, H, I, _native.Method.AMXINT4, 32, _native.best_isa(), 4
+    )
+    dense = [t.bfloat16() for t in (gate, up, down)]
+    layer.load_dense(*(t.data_ptr() for t in dense), _native.DType.bfloat16, E, [])
+    x = make_hidden(1, H)
+    out = torch.empty(1, H, dtype=torch.bfloat16)
+    routes = [make_routing(1, E, k, seed=s) for s in range(32)]
+    for round_ in range(5):
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:
+            for ids, weights in routes:
+                ids32 = ids.int()
+                layer.submit_forward(
+                    1, 0, x.data_ptr(), ids32.data_ptr(), False, weights.data_ptr(), 0, out.data_ptr(), False
+                )
+                runner.sync(0)
+        time.sleep(0.1)  # every worker past its last barrier, asleep
+        bound = {t: _cpus_allowed(t) for t in workers}
+        assert all(c == set(cpus) for c in bound.values()), f"round {round_}: worker affinities {bound}"

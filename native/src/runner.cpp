@@ -60,6 +60,7 @@ Runner::Runner(std::vector<PoolSpec> pools) : pools_(std::move(pools)) {
   worker_tids_ = std::make_unique<std::atomic<int>[]>(total);
   barriers_reached_ = std::make_unique<std::atomic<uint64_t>[]>(total);
   pulled_ = std::make_unique<std::atomic<bool>[]>(total);
+  pull_locks_ = std::make_unique<std::mutex[]>(total);
   for (int i = 0; i < total; ++i) worker_tids_[i] = 0, barriers_reached_[i] = 0, pulled_[i] = false;
   for (const auto& p : pools_) {
     cpu_set_t set;
@@ -135,7 +136,7 @@ void Runner::run(Task task) {
 }
 
 void Runner::pull_laggards(int tid) {
-  const uint64_t mine = barriers_reached_[tid].load(std::memory_order_acquire);
+  const uint64_t mine = barriers_reached_[tid].load(std::memory_order_seq_cst);
   const int cpu = sched_getcpu();
   if (cpu < 0) return;
   cpu_set_t here;
@@ -144,21 +145,25 @@ void Runner::pull_laggards(int tid) {
   for (int w = 0; w < num_threads(); ++w) {
     if (w == tid || barriers_reached_[w].load(std::memory_order_acquire) >= mine) continue;
     const pid_t thread = worker_tids_[w].load(std::memory_order_acquire);
-    bool expected = false;  // one puller per laggard
-    if (thread <= 0 || !pulled_[w].compare_exchange_strong(expected, true)) continue;
-    if (sched_setaffinity(thread, sizeof(here), &here) != 0) {
-      pulled_[w].store(false);
-      continue;
-    }
-    // Arrived meanwhile (and maybe restored before the move): give its pool back ourselves.
-    if (barriers_reached_[w].load(std::memory_order_acquire) >= mine && pulled_[w].exchange(false))
-      sched_setaffinity(thread, sizeof(cpu_set_t), &pool_cpus_[w]);
+    if (thread <= 0) continue;
+    // The flag before the second look at the laggard's count, the laggard its count before its
+    // look at the flag (both sequentially consistent): either this sees it arrived and leaves it,
+    // or it sees the flag and restores itself, under the lock, after this move. A check after the
+    // move instead left a laggard that restored itself in between pinned to this core for good
+    // (both workers of a 2-core pool on one core: decode 2x slower).
+    std::lock_guard<std::mutex> lock(pull_locks_[w]);
+    if (pulled_[w].load(std::memory_order_relaxed)) continue;  // another worker moved it
+    pulled_[w].store(true, std::memory_order_seq_cst);
+    if (barriers_reached_[w].load(std::memory_order_seq_cst) >= mine ||
+        sched_setaffinity(thread, sizeof(here), &here) != 0)
+      pulled_[w].store(false, std::memory_order_relaxed);
   }
 }
 
 void Runner::restore_if_pulled(int tid) {
-  if (pulled_[tid].load(std::memory_order_acquire) && pulled_[tid].exchange(false))
-    sched_setaffinity(0, sizeof(cpu_set_t), &pool_cpus_[tid]);
+  if (!pulled_[tid].load(std::memory_order_seq_cst)) return;
+  std::lock_guard<std::mutex> lock(pull_locks_[tid]);
+  if (pulled_[tid].exchange(false)) sched_setaffinity(0, sizeof(cpu_set_t), &pool_cpus_[tid]);
 }
 
 int64_t Runner::pending() const {

@@ -34,7 +34,7 @@ void SpinBarrier::arrive_and_wait(const std::function<void()>* before_sleep) {
 }
 
 void WorkerContext::barrier() const {
-  runner->barriers_reached_[tid].fetch_add(1, std::memory_order_release);
+  runner->barriers_reached_[tid].fetch_add(1, std::memory_order_seq_cst);  // see pull_laggards
   const std::function<void()> pull = [this] { runner->pull_laggards(tid); };
   runner->all_barrier_.arrive_and_wait(&pull);
   runner->restore_if_pulled(tid);
