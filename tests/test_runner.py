@@ -160,17 +160,8 @@ def _cpus_allowed(task: str) -> set[int] | None:
     return cpus
 
 
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs: one-core pools pull no worker")
-def test_pulled_workers_return_to_their_pool():
-    """A worker waiting at a barrier moves a late one onto its own core for that barrier only. The
-    late one restores its pool's cores when it arrives; a restore that came before the move left it
-    bound to the other worker's core for good (both workers of a 2-core pool on one core, decode 2x
-    slower), about 3 s into back-to-back one-token calls on the 2-core Xeon."""
-    cpus = sorted(os.sched_getaffinity(0))[:2]
-    before = set(os.listdir("/proc/self/task"))
-    runner = _native.Runner([(0, cpus)])
-    workers = set(os.listdir("/proc/self/task")) - before
-    assert len(workers) == 2
+def _one_token_layer(runner):
+    """A Qwen3-shaped layer (64 experts) on `runner`, and a function that runs one token through it."""
     E, k, H, I = 64, 8, 2048, 768
     gate, up, down = make_weights(E, I, H, seed=5)
     layer = _native.MoeLayer(
@@ -180,16 +171,56 @@ def test_pulled_workers_return_to_their_pool():
     layer.load_dense(*(t.data_ptr() for t in dense), _native.DType.bfloat16, E, [])
     x = make_hidden(1, H)
     out = torch.empty(1, H, dtype=torch.bfloat16)
-    routes = [make_routing(1, E, k, seed=s) for s in range(32)]
+    routes = [(ids.int(), weights) for ids, weights in (make_routing(1, E, k, seed=s) for s in range(32))]
+
+    def one_token(i: int) -> None:
+        ids, weights = routes[i % len(routes)]
+        layer.submit_forward(
+            1, 0, x.data_ptr(), ids.data_ptr(), False, weights.data_ptr(), 0, out.data_ptr(), False
+        )
+        runner.sync(0)
+
+    return layer, one_token
+
+
+TWO_CPUS = pytest.mark.skipif(
+    len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs: one-core pools pull no worker"
+)
+
+
+@TWO_CPUS
+def test_pulled_workers_return_to_their_pool():
+    """A worker waiting long at a barrier moves a late one onto its own core for that barrier only.
+    The late one restores its pool's cores when it arrives; a restore that came before the move left
+    it bound to the other worker's core for good (both workers of a 2-core pool on one core, decode
+    2x slower), about 3 s into back-to-back one-token calls on the 2-core Xeon."""
+    cpus = sorted(os.sched_getaffinity(0))[:2]
+    before = set(os.listdir("/proc/self/task"))
+    runner = _native.Runner([(0, cpus)])
+    workers = set(os.listdir("/proc/self/task")) - before
+    assert len(workers) == 2
+    _layer, one_token = _one_token_layer(runner)
     for round_ in range(5):
-        deadline = time.monotonic() + 1.5
+        deadline, i = time.monotonic() + 1.5, 0
         while time.monotonic() < deadline:
-            for ids, weights in routes:
-                ids32 = ids.int()
-                layer.submit_forward(
-                    1, 0, x.data_ptr(), ids32.data_ptr(), False, weights.data_ptr(), 0, out.data_ptr(), False
-                )
-                runner.sync(0)
+            one_token(i)
+            i += 1
         time.sleep(0.1)  # every worker past its last barrier, asleep
         bound = {t: _cpus_allowed(t) for t in workers}
         assert all(c == set(cpus) for c in bound.values()), f"round {round_}: worker affinities {bound}"
+
+
+@TWO_CPUS
+def test_a_caller_busy_between_calls_gets_no_pulls():
+    """A caller that spends 30 us between one-token calls (allocating its output, as the wrapper
+    does) makes one worker a little late at the first barrier; pulled at once, both workers then
+    shared one core for the rest of the call (1.6 against 0.8 ms). Only a long wait pulls."""
+    runner = _native.Runner([(0, sorted(os.sched_getaffinity(0))[:2])])
+    _layer, one_token = _one_token_layer(runner)
+    calls = 400
+    for i in range(calls):
+        until = time.perf_counter() + 30e-6
+        while time.perf_counter() < until:
+            pass
+        one_token(i)
+    assert runner.pulls() < calls // 10

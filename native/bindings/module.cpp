@@ -304,6 +304,7 @@ PYBIND11_MODULE(_native, m) {
       .def("sync", &Runner::sync, py::arg("allow_pending") = 0, py::call_guard<py::gil_scoped_release>())
       .def("wait", &Runner::wait, py::arg("task_id"), py::call_guard<py::gil_scoped_release>())
       .def("pending", &Runner::pending)
+      .def("pulls", &Runner::pulls)
       .def_property_readonly("num_threads", &Runner::num_threads)
       .def_property_readonly("num_pools", &Runner::num_pools)
       .def(

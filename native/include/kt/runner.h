@@ -31,13 +31,21 @@ class SpinBarrier {
  public:
   explicit SpinBarrier(int count = 1) : count_(count) {}
   void reset(int count) { count_ = count; }
-  // `before_sleep`, if given, runs once when the wait stops spinning and is about to sleep.
-  void arrive_and_wait(const std::function<void()>* before_sleep = nullptr);
+  // `on_long_wait`, if given, runs once when this worker has waited kLongWaitUs (asleep after a
+  // short spin) and the others have not all arrived.
+  void arrive_and_wait(const std::function<void()>* on_long_wait = nullptr);
+  // Long enough that a worker merely behind (the caller's thread took its core for a few us, its
+  // share was larger) is not pulled: pulled at once (~20 us), both workers of a 2-core pool shared
+  // one core for the rest of the call, since the kernel keeps a task that just ran where it is
+  // (one-token decode 1.6 against 0.8 ms when the caller spent 20 us between calls); short next to
+  // the scheduler slice a preempted worker otherwise waits out (several ms).
+  static constexpr int kLongWaitUs = 500;
 
  private:
   int count_;
   alignas(64) std::atomic<int> arrived_{0};
   alignas(64) std::atomic<uint32_t> generation_{0};
+  std::atomic<int> sleepers_{0};  // waiters in the futex: the last arrival wakes them only if any
 };
 
 class Runner;
@@ -87,14 +95,17 @@ class Runner {
   int num_pools() const { return static_cast<int>(pools_.size()); }
   const PoolSpec& pool(int p) const { return pools_[p]; }
   static int spin_microseconds();
+  // How many times a worker waiting at the all-worker barrier moved a late one onto its core.
+  uint64_t pulls() const { return pulls_.load(std::memory_order_relaxed); }
 
  private:
   friend struct WorkerContext;
   void worker_main(int tid, int pool, int rank);
-  // A worker about to sleep at the all-worker barrier moves the workers that have not reached it
-  // onto its own core (their affinity, for this barrier only): a worker preempted on a core another
-  // thread holds otherwise waits there for a scheduler slice (several ms), since the kernel does not
-  // pull a task that ran within its migration-cost window onto an idle core.
+  // A worker that has waited SpinBarrier::kLongWaitUs at the all-worker barrier moves the workers
+  // that have not reached it onto its own core (their affinity, for this barrier only): a worker
+  // preempted on a core another thread holds otherwise waits there for a scheduler slice (several
+  // ms), since the kernel does not pull a task that ran within its migration-cost window onto an
+  // idle core.
   void pull_laggards(int tid);
   void restore_if_pulled(int tid);
 
@@ -106,8 +117,9 @@ class Runner {
   std::unique_ptr<std::atomic<int>[]> worker_tids_;
   std::unique_ptr<std::atomic<uint64_t>[]> barriers_reached_;
   std::unique_ptr<std::atomic<bool>[]> pulled_;
-  std::unique_ptr<std::mutex[]> pull_locks_;  // by tid: a move of the worker and its restore
-  std::vector<cpu_set_t> pool_cpus_;          // by tid: the cores of its pool, its affinity
+  std::unique_ptr<std::mutex[]> pull_locks_;
+  std::atomic<uint64_t> pulls_{0};    // by tid: a move of the worker and its restore
+  std::vector<cpu_set_t> pool_cpus_;  // by tid: the cores of its pool, its affinity
   SpinBarrier all_barrier_;
   std::vector<std::unique_ptr<SpinBarrier>> pool_barriers_;
 
