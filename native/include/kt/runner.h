@@ -117,9 +117,9 @@ class Runner {
   std::unique_ptr<std::atomic<int>[]> worker_tids_;
   std::unique_ptr<std::atomic<uint64_t>[]> barriers_reached_;
   std::unique_ptr<std::atomic<bool>[]> pulled_;
-  std::unique_ptr<std::mutex[]> pull_locks_;
-  std::atomic<uint64_t> pulls_{0};    // by tid: a move of the worker and its restore
-  std::vector<cpu_set_t> pool_cpus_;  // by tid: the cores of its pool, its affinity
+  std::unique_ptr<std::mutex[]> pull_locks_;  // by tid: a move of the worker and its restore
+  std::vector<cpu_set_t> pool_cpus_;          // by tid: the cores of its pool, its affinity
+  std::atomic<uint64_t> pulls_{0};
   SpinBarrier all_barrier_;
   std::vector<std::unique_ptr<SpinBarrier>> pool_barriers_;
 
