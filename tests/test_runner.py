@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import statistics
+import subprocess
+import sys
 import threading
 import time
 
@@ -226,3 +229,51 @@ def test_a_caller_busy_between_calls_gets_no_pulls():
             pass
         one_token(i)
     assert runner.pulls() < calls // 10
+
+
+@TWO_CPUS
+def test_a_starved_worker_delays_no_step():
+    """Steps open when their units are done, not when every worker has arrived. Worker 1 of two is
+    starved (SCHED_IDLE, a busy process on each core: it runs only in the scraps of time no one
+    else wants), and one-token calls still go on at worker 0's pace, a few times the median alone
+    (4.7x on the 2-core Xeon: worker 0 shares its core with a busy process). Behind all-worker
+    barriers every call waited for the starved worker: median 364 ms, 460x."""
+    cpus = sorted(os.sched_getaffinity(0))[:2]
+    before = set(os.listdir("/proc/self/task"))
+    runner = _native.Runner([(0, cpus)])
+    workers = sorted(set(os.listdir("/proc/self/task")) - before, key=int)
+    assert len(workers) == 2
+    one_token = _one_token_layer(runner)
+    alone = _median_time(one_token, 200)
+    code = "import os; os.sched_setaffinity(0, {%d})\nwhile True: pass"
+    busy = [subprocess.Popen([sys.executable, "-c", code % cpu]) for cpu in cpus]
+    times = []
+    try:
+        time.sleep(0.2)
+        os.sched_setscheduler(int(workers[1]), os.SCHED_IDLE, os.sched_param(0))
+        deadline = time.monotonic() + 10
+        for i in range(200):
+            t = time.perf_counter()
+            one_token(i)
+            times.append(time.perf_counter() - t)
+            if time.monotonic() > deadline:
+                break
+    finally:
+        for b in busy:
+            b.kill()
+            b.wait()
+    starved = statistics.median(times)
+    assert starved < 20 * alone, (
+        f"{len(times)} calls with worker 1 starved: median {starved * 1e3:.1f} ms, {alone * 1e3:.2f} ms alone"
+    )
+
+
+def _median_time(one_token, calls: int) -> float:
+    for i in range(20):
+        one_token(i)
+    times = []
+    for i in range(calls):
+        t = time.perf_counter()
+        one_token(i)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)

@@ -1,4 +1,4 @@
-// The forward task of MoeLayer and its steps, in the order they run per chunk of tokens.
+// The forward task of MoeLayer: its steps and their units, in the order they run per chunk of tokens.
 #include <immintrin.h>
 #include <sched.h>
 
@@ -43,29 +43,6 @@ int64_t rows_per_call(int64_t rows) {
   const int64_t calls = (rows + kRowChunk - 1) / kRowChunk;
   return std::min<int64_t>(kRowChunk, round_up((rows + calls - 1) / calls, kRowBlock));
 }
-
-// Takes ranges of [0, n) from a shared cursor until none is left, each `size(left)` long (clipped
-// to what is left), so that they can narrow as the work runs out.
-template <class Size, class F>
-void for_each_range(std::atomic<int64_t>& cursor, int64_t n, Size&& size, F&& body) {
-  for (int64_t begin = cursor.load(std::memory_order_relaxed); begin < n;) {
-    const int64_t len = std::clamp<int64_t>(size(n - begin), 1, n - begin);
-    if (cursor.compare_exchange_weak(begin, begin + len, std::memory_order_relaxed)) {
-      body(begin, len);
-      begin = cursor.load(std::memory_order_relaxed);
-    }
-  }
-}
-
-// The first row r >= begin with r % workers == rank. Rows are dealt round-robin by their index over
-// all experts: dealt per expert, the 8 one-row experts of a decode step all went to worker 0.
-int64_t first_row_of(int64_t begin, int rank, int workers) {
-  return begin + ((rank - begin) % workers + workers) % workers;
-}
-
-}  // namespace
-
-namespace {
 
 // Address of row `r` (a padded row index) in a tiled buffer whose rows hold `row_bytes`.
 uint8_t* tiled_row(uint8_t* base, int64_t r, int64_t row_bytes) {
@@ -157,81 +134,227 @@ int64_t max_rows_per_call(const MoeWorkspace& ws) {
 
 }  // namespace
 
-// A task runs on every worker of every pool: per chunk of tokens, route (worker 0), gather the
-// inputs, gate/up and h (per pool), the int8 h of large chunks, down (per pool), combine; barriers
-// between the steps that read what another worker wrote.
-void MoeLayer::forward_task(const ForwardArgs& args, const WorkerContext& ctx) {
-  MoeWorkspace& ws = *workspace_;
-  const MethodKernels& kernels = table_.method(config_.method);
-  const MethodKernels& down_kernels = table_.method(*config_.down_method);
-  Chunk chunk{args,
-              0,
-              0,
-              config_.num_experts,
-              config_.top_k,
-              static_cast<int>(pools_.size()),
-              group_,
-              config_.down_group,
-              config_.hidden,
-              hidden_padded_,
-              round_up(config_.hidden, kPanelWidth),
-              h_group(),
-              method_traits(config_.method).gate_up_input == Activation::kInt8,
-              method_traits(*config_.down_method).down_input == Activation::kInt8,
-              kernels.gemm_q8,
-              down_kernels.gemm_q8,
-              kernels.gemm_a16,
-              down_kernels.gemm_a16};
+// How the open chunk's steps are cut into units: set when the chunk is routed.
+struct MoeLayer::Plan {
+  int64_t max_rows = 0;  // rows of the longest kernel call
+  int64_t tokens_per_gather = 1, gather_units = 0;
+  struct Pool {
+    int64_t per_item = 1, items_per_expert = 0, blocks_per_call = 1, gate_up_items = 0;  // gate/up
+    int64_t gate_up_step_units = 0;    // its items, then (small chunks) the down units
+    int64_t quantize_h_units = 0;      // large chunks of int8_h methods: one per row
+    std::vector<int64_t> down_starts;  // small chunks: each down range's first (expert, panel), then the end
+    int64_t down_per_item = 0, down_units = 0;  // large chunks: output panels per item; either: units
+  };
+  std::vector<Pool> pools;
+  int64_t splits = 1, width = 0, combine_units = 0;  // combine: column splits per token, their width
+};
 
-  // Worker 0 reads the batch size and routes the first chunk before the first barrier: at T=1 each
-  // barrier is a few us of a ~400 us layer.
-  if (ctx.tid == 0) {
-    ws.tokens = args.tokens_ptr ? *args.tokens_ptr : args.tokens;
-    ws.bad_batch = ws.tokens < 0 || (args.max_tokens > 0 && ws.tokens > args.max_tokens);
-    if (ws.bad_batch) {
-      const std::string bound =
-          args.max_tokens > 0 ? "outside [0, " + std::to_string(args.max_tokens) + "] (the buffers' capacity)"
-                              : "negative";
-      runner_->record_error(std::make_exception_ptr(std::invalid_argument(
-          "forward: the batch size read at run time is " + std::to_string(ws.tokens) + ", " + bound)));
-    }
-    grow(ws.pools, static_cast<size_t>(chunk.P));
-    if (!ws.bad_batch && ws.tokens > 0) {
-      chunk.Tc = std::min(config_.max_chunk_tokens, ws.tokens);
-      route(chunk);
-    }
+// The forward as steps, per chunk of tokens: route (the first with the start checks), gather,
+// gate/up (small chunks: with down, each expert's down starting when its h is complete), the int8
+// h of large chunks, down, combine. Each opens when every unit of the one before has returned.
+class MoeLayer::ForwardTask final : public StepTask {
+ public:
+  ForwardTask(MoeLayer& layer, const ForwardArgs& args)
+      : layer_(layer),
+        args_(args),
+        chunk_{args_,
+               0,
+               0,
+               layer.config_.num_experts,
+               layer.config_.top_k,
+               static_cast<int>(layer.pools_.size()),
+               layer.group_,
+               layer.config_.down_group,
+               layer.config_.hidden,
+               layer.hidden_padded_,
+               round_up(layer.config_.hidden, kPanelWidth),
+               layer.h_group(),
+               method_traits(layer.config_.method).gate_up_input == Activation::kInt8,
+               method_traits(*layer.config_.down_method).down_input == Activation::kInt8,
+               layer.table_.method(layer.config_.method).gemm_q8,
+               layer.table_.method(*layer.config_.down_method).gemm_q8,
+               layer.table_.method(layer.config_.method).gemm_a16,
+               layer.table_.method(*layer.config_.down_method).gemm_a16} {
+    plan_.pools.resize(layer.pools_.size());
   }
-  ctx.barrier();
-  if (ws.bad_batch) return;
-  const int64_t T = ws.tokens;
 
-  for (chunk.c0 = 0; chunk.c0 < T; chunk.c0 += config_.max_chunk_tokens) {
-    chunk.Tc = std::min(config_.max_chunk_tokens, T - chunk.c0);
-    if (chunk.c0 > 0) {
-      if (ctx.tid == 0) route(chunk);
-      ctx.barrier();
+  bool next_step(StepShape& shape) override {
+    MoeWorkspace& ws = *layer_.workspace_;
+    auto any = [&](int64_t units) {
+      shape.kind = StepShape::Kind::kAnyWorker;
+      shape.units = units;
+      return true;
+    };
+    auto per_pool = [&](int64_t Plan::Pool::* units) {
+      shape.kind = StepShape::Kind::kPerPool;
+      for (int p = 0; p < chunk_.P; ++p) shape.pool_units[p] = plan_.pools[p].*units;
+      return true;
+    };
+    switch (step_) {
+      case Step::kNone:
+        step_ = Step::kStart;
+        return any(1);
+      case Step::kStart:
+        if (!started_) return false;
+        [[fallthrough]];
+      case Step::kRoute:
+        if (ws.bad_routing) return false;
+        layer_.plan_steps(chunk_, plan_);
+        step_ = Step::kGather;
+        return any(plan_.gather_units);
+      default:
+        break;
     }
-    if (ws.bad_routing) return;
-    gather_inputs(chunk, ctx);
-    ctx.barrier();
-    gate_up(chunk, ctx);
-    if (!ws.down_rows) {  // small chunks: each expert's down starts when its h is complete instead
-      ctx.pool_barrier();
-      const int64_t slice = pools_[ctx.pool]->i_end - pools_[ctx.pool]->i_begin;
-      if (chunk.int8_h && slice > 0) {
-        quantize_h(chunk, ctx);
-        ctx.pool_barrier();
+    if (ws.failed.load(std::memory_order_acquire)) return false;
+    switch (step_) {
+      case Step::kGather:
+        step_ = Step::kGateUp;
+        return per_pool(&Plan::Pool::gate_up_step_units);
+      case Step::kGateUp:
+        if (ws.down_rows) break;
+        if (chunk_.int8_h) {
+          step_ = Step::kQuantizeH;
+          return per_pool(&Plan::Pool::quantize_h_units);
+        }
+        [[fallthrough]];
+      case Step::kQuantizeH:
+        step_ = Step::kDown;
+        return per_pool(&Plan::Pool::down_units);
+      case Step::kCombine:
+        chunk_.c0 += layer_.config_.max_chunk_tokens;
+        if (chunk_.c0 >= ws.tokens) return false;
+        chunk_.Tc = std::min(layer_.config_.max_chunk_tokens, ws.tokens - chunk_.c0);
+        step_ = Step::kRoute;
+        return any(1);
+      default:
+        break;
+    }
+    step_ = Step::kCombine;  // after down
+    return any(plan_.combine_units);
+  }
+
+  void run_unit(int64_t unit, const WorkerContext& ctx) override {
+    switch (step_) {
+      case Step::kStart:
+        started_ = layer_.start(chunk_);
+        break;
+      case Step::kRoute:
+        layer_.route(chunk_);
+        break;
+      case Step::kGather: {
+        const int64_t t0 = unit * plan_.tokens_per_gather;
+        layer_.gather_tokens(chunk_, t0, std::min(chunk_.Tc, t0 + plan_.tokens_per_gather));
+        break;
       }
+      case Step::kGateUp: {
+        const int64_t items = plan_.pools[ctx.pool].gate_up_items;
+        if (unit < items)
+          layer_.gate_up_item(chunk_, plan_, ctx, unit);
+        else
+          layer_.down_unit(chunk_, plan_, ctx, unit - items);
+        break;
+      }
+      case Step::kQuantizeH:
+        layer_.quantize_h_unit(chunk_, ctx, unit);
+        break;
+      case Step::kDown:
+        layer_.down_unit(chunk_, plan_, ctx, unit);
+        break;
+      case Step::kCombine:
+        layer_.combine_item(chunk_, plan_, unit);
+        break;
+      case Step::kNone:
+        break;
     }
-    down(chunk, ctx);
-    ctx.barrier();
-    combine(chunk, ctx);
-    if (chunk.c0 + chunk.Tc < T)
-      ctx.barrier();  // after the last chunk, the runner's own barrier ends the task
   }
+
+ private:
+  enum class Step { kNone, kStart, kRoute, kGather, kGateUp, kQuantizeH, kDown, kCombine };
+  MoeLayer& layer_;
+  const ForwardArgs args_;
+  Chunk chunk_;
+  Plan plan_;
+  Step step_ = Step::kNone;
+  bool started_ = false;
+};
+
+std::shared_ptr<StepTask> MoeLayer::forward_task(const ForwardArgs& args) {
+  return std::make_shared<ForwardTask>(*this, args);
 }
 
-// Routing (worker 0): groups chunk [c0, c0 + Tc)'s rows by expert and sizes the buffers; sets
+// Reads the batch size (at run time when args.tokens_ptr is set) and routes the first chunk.
+bool MoeLayer::start(Chunk& chunk) {
+  MoeWorkspace& ws = *workspace_;
+  const ForwardArgs& args = chunk.args;
+  ws.tokens = args.tokens_ptr ? *args.tokens_ptr : args.tokens;
+  grow(ws.pools, static_cast<size_t>(chunk.P));
+  if (ws.tokens < 0 || (args.max_tokens > 0 && ws.tokens > args.max_tokens)) {
+    const std::string bound =
+        args.max_tokens > 0 ? "outside [0, " + std::to_string(args.max_tokens) + "] (the buffers' capacity)"
+                            : "negative";
+    throw std::invalid_argument("forward: the batch size read at run time is " + std::to_string(ws.tokens) +
+                                ", " + bound);
+  }
+  if (ws.tokens == 0) return false;
+  chunk.Tc = std::min(config_.max_chunk_tokens, ws.tokens);
+  route(chunk);
+  return true;
+}
+
+// The units of the routed chunk's steps: as long as each pool's balance allows.
+void MoeLayer::plan_steps(const Chunk& chunk, Plan& plan) const {
+  const MoeWorkspace& ws = *workspace_;
+  const int64_t active = static_cast<int64_t>(ws.active.size());
+  const int threads = runner_->num_threads();
+  plan.max_rows = max_rows_per_call(ws);
+  plan.tokens_per_gather = std::max<int64_t>(1, chunk.Tc / (4 * threads));
+  plan.gather_units = (chunk.Tc + plan.tokens_per_gather - 1) / plan.tokens_per_gather;
+  const int64_t panels = chunk.Hy / kPanelWidth;
+  for (int p = 0; p < chunk.P; ++p) {
+    Plan::Pool& pp = plan.pools[p];
+    const int64_t pool_size = static_cast<int64_t>(runner_->pool(p).cpus.size());
+    const int64_t slice = pools_[p]->i_end - pools_[p]->i_begin;
+    const int64_t slice_groups = slice / chunk.Gh;
+    pp.per_item = std::clamp<int64_t>(active * slice_groups / (kMinGateUpItemsPerWorker * pool_size), 1,
+                                      kMaxGateUpBlocks);
+    pp.items_per_expert = (slice_groups + pp.per_item - 1) / pp.per_item;
+    // Small chunks run an item's blocks in one kernel call, one uninterrupted pass over its
+    // weights (Zen 4, Qwen3 INT4 at T=1: x1.03-1.04 when the host's bandwidth is high); large
+    // ones one block per call, so that c_buf stays within the L2.
+    pp.blocks_per_call = ws.down_rows ? pp.per_item : 1;
+    pp.gate_up_items = pp.gate_up_step_units = pp.items_per_expert * active;
+    pp.quantize_h_units = chunk.int8_h && slice > 0 ? ws.offsets[chunk.E] : 0;
+    pp.down_starts.clear();
+    pp.down_units = 0;
+    if (slice == 0) continue;
+    if (ws.down_rows) {
+      // Runs of (expert, panel) pairs: long ones first, shorter as the work runs out, so that the
+      // workers finish together.
+      const int64_t units = active * panels, max_panels = std::min<int64_t>(kMaxRunPanels, panels);
+      for (int64_t u = 0; u < units;) {
+        pp.down_starts.push_back(u);
+        u += std::clamp<int64_t>(
+            std::min(max_panels,
+                     std::max<int64_t>(kMinDownPanels, (units - u) / (kDownItemsPerWorker * pool_size))),
+            1, units - u);
+      }
+      pp.down_starts.push_back(units);
+      pp.down_units = static_cast<int64_t>(pp.down_starts.size()) - 1;
+      pp.gate_up_step_units += pp.down_units;  // one step: down waits per expert for its h
+    } else {
+      // Few, wide items (h is re-read per item, and each expert's run of weights is longer).
+      pp.down_per_item =
+          std::clamp<int64_t>(panels / (kDownItemsPerWorker * pool_size), kMinDownPanels, kMaxDownPanels);
+      pp.down_units = (panels + pp.down_per_item - 1) / pp.down_per_item;
+    }
+  }
+  // With fewer tokens than workers (decode) each token's columns are split among them.
+  plan.splits = std::max<int64_t>(1, threads / chunk.Tc);
+  plan.width = round_up((chunk.H + plan.splits - 1) / plan.splits, kPanelWidth);
+  plan.combine_units = chunk.Tc * plan.splits;
+}
+
+// Routing: groups chunk [c0, c0 + Tc)'s rows by expert and sizes the buffers; sets
 // ws.bad_routing on failure.
 void MoeLayer::route(const Chunk& chunk) {
   MoeWorkspace& ws = *workspace_;
@@ -277,16 +400,15 @@ void MoeLayer::route(const Chunk& chunk) {
         ps.ready_size = ws.active.size();
       }
       for (size_t a = 0; a < ws.active.size(); ++a) ps.ready[a].store(0, std::memory_order_relaxed);
-      for (auto& c : ws.phase_counter[p]) c.value.store(0);
     }
     ws.bad_routing = false;
   });
 }
 
-// Gather/quantize: each token's input quantized once for all its experts (int8_x), then gathered
-// into each of its rows in the tiled layout; its partial sums cleared. A worker gathers the tokens
-// it quantized, so the two steps need no barrier between them.
-void MoeLayer::gather_inputs(const Chunk& chunk, const WorkerContext& ctx) {
+// Gather/quantize tokens [t0, t1) of the chunk: each token's input quantized once for all its
+// experts (int8_x), then gathered into each of its rows in the tiled layout; its partial sums
+// cleared.
+void MoeLayer::gather_tokens(const Chunk& chunk, int64_t t0, int64_t t1) {
   MoeWorkspace& ws = *workspace_;
   const auto& [args, c0, Tc, E, K, P, G, Gd, H, Hp, Hy, Gh, int8_x, int8_h, gemm_q, down_q, gemm_a16,
                down_a16] = chunk;
@@ -295,7 +417,7 @@ void MoeLayer::gather_inputs(const Chunk& chunk, const WorkerContext& ctx) {
     thread_local std::vector<uint16_t> padded;
     grow(row, Hp), grow(padded, Hp);
     const int64_t H_whole = H / (kChunkBytes / 2) * (kChunkBytes / 2);  // bf16 values in whole chunks
-    for (int64_t t = ctx.tid; t < Tc; t += ctx.num_threads) {
+    for (int64_t t = t0; t < t1; ++t) {
       const uint16_t* x = args.hidden + (c0 + t) * H;
       if (int8_x) {
         for (int64_t i = 0; i < H; ++i) row[i] = bf16_to_float(x[i]);
@@ -330,9 +452,10 @@ void MoeLayer::gather_inputs(const Chunk& chunk, const WorkerContext& ctx) {
 }
 
 // Gate/up and h (per pool): h = silu(x Wg^T) * (x Wu^T), stored in bf16, for one expert and a run of
-// blocks of intermediate channels (the unit gate and up are interleaved by). In small chunks the
-// worker that completes an expert's h also quantizes it (int8_h) and marks it ready for down.
-void MoeLayer::gate_up(const Chunk& chunk, const WorkerContext& ctx) {
+// blocks of intermediate channels (the unit gate and up are interleaved by): item `item` of the
+// pool's plan. In small chunks the worker that completes an expert's h also quantizes it (int8_h)
+// and marks it ready for down.
+void MoeLayer::gate_up_item(const Chunk& chunk, const Plan& plan, const WorkerContext& ctx, int64_t item) {
   MoeWorkspace& ws = *workspace_;
   const auto& [args, c0, Tc, E, K, P, G, Gd, H, Hp, Hy, Gh, int8_x, int8_h, gemm_q, down_q, gemm_a16,
                down_a16] = chunk;
@@ -340,21 +463,14 @@ void MoeLayer::gate_up(const Chunk& chunk, const WorkerContext& ctx) {
   auto& ps = ws.pools[ctx.pool];
   const int64_t slice = pw.i_end - pw.i_begin;
   const int64_t slice_groups = slice / Gh;
-  const int64_t max_rows = max_rows_per_call(ws);
+  const Plan::Pool& pp = plan.pools[ctx.pool];
   KernelScratch& sc = kernel_scratch();
   guarded(*runner_, ws.failed, [&] {
     const int npan = static_cast<int>(Gh / kPanelWidth);
     grow(sc.h_bf16, Gh);
     const int64_t block_bytes = 2 * npan * panel_bytes(config_.method, G, Hp);
-    const int64_t blocks = static_cast<int64_t>(ws.active.size()) * slice_groups;
-    const int64_t per_item =
-        std::clamp<int64_t>(blocks / (kMinGateUpItemsPerWorker * ctx.pool_size), 1, kMaxGateUpBlocks);
-    const int64_t items_per_expert = (slice_groups + per_item - 1) / per_item;
-    // Small chunks run an item's blocks in one kernel call, one uninterrupted pass over its
-    // weights (Zen 4, Qwen3 INT4 at T=1: x1.03-1.04 when the host's bandwidth is high); large
-    // ones one block per call, so that c_buf stays within the L2.
-    const int64_t blocks_per_call = ws.down_rows ? per_item : 1;
-    grow(sc.c_buf, max_rows * blocks_per_call * 2 * Gh);
+    const int64_t per_item = pp.per_item, blocks_per_call = pp.blocks_per_call;
+    grow(sc.c_buf, plan.max_rows * blocks_per_call * 2 * Gh);
     const GluConfig& glu = config_.glu;
     const bool general_glu = !glu.plain() || !gate_bias_.empty() || !up_bias_.empty();
     // Blocks [gl0, gl0 + nb) of expert ws.active[a]: its intermediate channels [gl0 * Gh,
@@ -401,47 +517,34 @@ void MoeLayer::gate_up(const Chunk& chunk, const WorkerContext& ctx) {
         }
       }
     };
-    for_each_item(
-        ws.phase_counter[ctx.pool][0].value, items_per_expert * static_cast<int64_t>(ws.active.size()),
-        [&](int64_t item) {
-          const int64_t a = item / items_per_expert, first = item % items_per_expert * per_item;
-          const int64_t last = std::min(slice_groups, first + per_item);
-          for (int64_t gl = first; gl < last; gl += blocks_per_call)
-            gate_up_blocks(a, gl, std::min(blocks_per_call, last - gl));
-          if (!ws.down_rows) return;
-          // The worker that finishes an expert's last block completes its h and lets
-          // its down runs start.
-          if (ps.ready[a].fetch_add(last - first, std::memory_order_acq_rel) + last - first < slice_groups)
-            return;
-          const int e = ws.active[a];
-          if (int8_h)
-            for (int64_t r = ws.offsets[e]; r < ws.offsets[e + 1]; ++r)
-              quantize_h_row(ws, ps, slice, Gd, e, r);
-          ps.ready[a].store(slice_groups + 1, std::memory_order_release);
-        });
+    const int64_t a = item / pp.items_per_expert, first = item % pp.items_per_expert * per_item;
+    const int64_t last = std::min(slice_groups, first + per_item);
+    for (int64_t gl = first; gl < last; gl += blocks_per_call)
+      gate_up_blocks(a, gl, std::min(blocks_per_call, last - gl));
+    if (!ws.down_rows) return;
+    // The worker that finishes an expert's last block completes its h and lets its down runs start.
+    if (ps.ready[a].fetch_add(last - first, std::memory_order_acq_rel) + last - first < slice_groups) return;
+    const int e = ws.active[a];
+    if (int8_h)
+      for (int64_t r = ws.offsets[e]; r < ws.offsets[e + 1]; ++r) quantize_h_row(ws, ps, slice, Gd, e, r);
+    ps.ready[a].store(slice_groups + 1, std::memory_order_release);
   });
 }
 
-// The int8 h of large chunks (int8_h methods, per pool): each row's h quantized per group, once
-// for all the output blocks of the down projection.
-void MoeLayer::quantize_h(const Chunk& chunk, const WorkerContext& ctx) {
+// The int8 h of large chunks (int8_h methods, per pool): row `r` of the chunk quantized per group,
+// once for all the output blocks of the down projection.
+void MoeLayer::quantize_h_unit(const Chunk& chunk, const WorkerContext& ctx, int64_t r) {
   MoeWorkspace& ws = *workspace_;
   auto& ps = ws.pools[ctx.pool];
   const int64_t slice = pools_[ctx.pool]->i_end - pools_[ctx.pool]->i_begin;
-  const int G = chunk.Gd;
-  guarded(*runner_, ws.failed, [&] {
-    for (int e : ws.active)
-      for (int64_t r = first_row_of(ws.offsets[e], ctx.rank_in_pool, ctx.pool_size); r < ws.offsets[e + 1];
-           r += ctx.pool_size)
-        quantize_h_row(ws, ps, slice, G, e, r);
-  });
+  guarded(*runner_, ws.failed, [&] { quantize_h_row(ws, ps, slice, chunk.Gd, ws.row_expert[r], r); });
 }
 
-// Down (per pool): y[token] += weight * (h Wd^T) for every row. Large chunks: items are blocks of
+// Down (per pool): y[token] += weight * (h Wd^T) for every row. Large chunks: a unit is a block of
 // output panels over every expert, so no two workers write the same element of the pool's y. Small
-// chunks (down_rows): items are runs of (expert, panel) pairs, each row's projection stored apart,
-// so that one item can read an expert's whole slice in one run.
-void MoeLayer::down(const Chunk& chunk, const WorkerContext& ctx) {
+// chunks (down_rows): a unit is a run of (expert, panel) pairs, each row's projection stored apart,
+// so that one unit can read an expert's whole slice in one run.
+void MoeLayer::down_unit(const Chunk& chunk, const Plan& plan, const WorkerContext& ctx, int64_t unit) {
   MoeWorkspace& ws = *workspace_;
   const auto& [args, c0, Tc, E, K, P, G, Gd, H, Hp, Hy, Gh, int8_x, int8_h, gemm_q, down_q, gemm_a16,
                down_a16] = chunk;
@@ -449,7 +552,7 @@ void MoeLayer::down(const Chunk& chunk, const WorkerContext& ctx) {
   auto& ps = ws.pools[ctx.pool];
   const int64_t slice = pw.i_end - pw.i_begin;
   const int64_t slice_groups = slice / Gh;
-  const int64_t max_rows = max_rows_per_call(ws);
+  const Plan::Pool& pp = plan.pools[ctx.pool];
   KernelScratch& sc = kernel_scratch();
   guarded(*runner_, ws.failed, [&] {
     if (slice == 0) return;
@@ -492,18 +595,10 @@ void MoeLayer::down(const Chunk& chunk, const WorkerContext& ctx) {
         }
       }
     };
-    auto& counter = ws.phase_counter[ctx.pool][1].value;
     if (ws.down_rows) {
-      const int64_t max_panels = std::min<int64_t>(kMaxRunPanels, panels);
-      grow(sc.c_buf, max_rows * max_panels * kPanelWidth);
-      // Long runs first, shorter ones as the work runs out, so the workers finish together.
-      auto run_panels = [&](int64_t left) {
-        return std::min(max_panels,
-                        std::max<int64_t>(kMinDownPanels, left / (kDownItemsPerWorker * ctx.pool_size)));
-      };
-      const int64_t units = static_cast<int64_t>(ws.active.size()) * panels;
-      // Waits until expert a's h is complete. Every gate/up item was taken before any down range,
-      // so the wait ends unless the worker holding one failed.
+      grow(sc.c_buf, plan.max_rows * std::min<int64_t>(kMaxRunPanels, panels) * kPanelWidth);
+      // Waits until expert a's h is complete. Every gate/up item was taken before any down unit
+      // (one step, units in order), so the wait ends unless the worker holding one failed.
       auto wait_ready = [&](int64_t a) {
         for (int i = 0; ps.ready[a].load(std::memory_order_acquire) <= slice_groups; ++i) {
           if (ws.failed.load(std::memory_order_acquire))
@@ -514,69 +609,59 @@ void MoeLayer::down(const Chunk& chunk, const WorkerContext& ctx) {
             sched_yield();
         }
       };
-      for_each_range(counter, units, run_panels, [&](int64_t u0, int64_t n) {
-        for (int64_t u = u0; u < u0 + n;) {  // a range may end one expert's run and start the next
-          const int64_t a = u / panels, p0 = u % panels, npan = std::min(panels - p0, u0 + n - u);
-          wait_ready(a);
-          down_run(ws.active[a], p0, static_cast<int>(npan));
-          u += npan;
-        }
-      });
+      const int64_t u0 = pp.down_starts[unit], u1 = pp.down_starts[unit + 1];
+      for (int64_t u = u0; u < u1;) {  // a run may end one expert's panels and start the next's
+        const int64_t a = u / panels, p0 = u % panels, npan = std::min(panels - p0, u1 - u);
+        wait_ready(a);
+        down_run(ws.active[a], p0, static_cast<int>(npan));
+        u += npan;
+      }
     } else {
-      // Few, wide items (h is re-read per item, and each expert's run of weights is longer).
-      const int per_item = static_cast<int>(std::clamp<int64_t>(
-          panels / (kDownItemsPerWorker * ctx.pool_size), kMinDownPanels, kMaxDownPanels));
-      grow(sc.c_buf, kRowChunk * per_item * kPanelWidth);
-      for_each_item(counter, (panels + per_item - 1) / per_item, [&](int64_t b) {
-        const int64_t p0 = b * per_item;
-        const int npan = static_cast<int>(std::min<int64_t>(per_item, panels - p0));
-        for (int e : ws.active) down_run(e, p0, npan);
-      });
+      grow(sc.c_buf, kRowChunk * pp.down_per_item * kPanelWidth);
+      const int64_t p0 = unit * pp.down_per_item;
+      const int npan = static_cast<int>(std::min<int64_t>(pp.down_per_item, panels - p0));
+      for (int e : ws.active) down_run(e, p0, npan);
     }
   });
 }
 
-// Combine: the pools' partial outputs (down_rows: each token's rows in slot order, weighted) summed
-// into bf16, or fp32 (out_f32).
-void MoeLayer::combine(const Chunk& chunk, const WorkerContext& ctx) {
+// Combine, one token's columns (`item`: token * plan.splits + split): the pools' partial outputs
+// (down_rows: the token's rows in slot order, weighted) summed into bf16, or fp32 (out_f32).
+void MoeLayer::combine_item(const Chunk& chunk, const Plan& plan, int64_t item) {
   MoeWorkspace& ws = *workspace_;
   const auto& [args, c0, Tc, E, K, P, G, Gd, H, Hp, Hy, Gh, int8_x, int8_h, gemm_q, down_q, gemm_a16,
                down_a16] = chunk;
+  const int64_t t = item / plan.splits, h0 = item % plan.splits * plan.width;
+  const int64_t n = std::min(H, h0 + plan.width) - h0;
+  if (n <= 0) return;
   guarded(*runner_, ws.failed, [&] {
     thread_local std::vector<const float*> parts;
     thread_local std::vector<float> sum;
     grow(parts, P), grow(sum, Hy);
-    // With fewer tokens than workers (decode) each token's columns are split among them.
-    const int64_t splits = std::max<int64_t>(1, ctx.num_threads / Tc);
-    const int64_t width = round_up((H + splits - 1) / splits, kPanelWidth);
-    for (int64_t item = ctx.tid; item < Tc * splits; item += ctx.num_threads) {
-      const int64_t t = item / splits, h0 = item % splits * width, n = std::min(H, h0 + width) - h0;
-      if (n <= 0) continue;
-      const int64_t at = (c0 + t) * H + h0;
-      auto emit = [&](const float* const* p, int np) {
-        if (!args.out_f32) return table_.sum_to_bf16(p, np, n, args.incremental, args.out + at);
-        float* out = args.out_f32 + at;
-        for (int64_t i = 0; i < n; ++i) {
-          float s = args.incremental ? out[i] : 0.0f;
-          for (int q = 0; q < np; ++q) s += p[q][i];
-          out[i] = s;
-        }
-      };
-      if (ws.down_rows) {
-        std::fill_n(sum.data(), n, 0.0f);
-        for (int j = 0; j < K; ++j) {
-          const int64_t r = ws.slot_row[t * K + j];
-          if (r < 0) continue;
-          for (int p = 0; p < P; ++p)
-            if (pools_[p]->i_end > pools_[p]->i_begin)  // an empty slice stored nothing
-              table_.add_weighted(sum.data(), ws.pools[p].y.data() + r * Hy + h0, ws.row_weight[r], n);
-        }
-        parts[0] = sum.data();
-        emit(parts.data(), 1);
-      } else {
-        for (int p = 0; p < P; ++p) parts[p] = ws.pools[p].y.data() + t * Hy + h0;
-        emit(parts.data(), P);
+    const int64_t at = (c0 + t) * H + h0;
+    auto emit = [&](const float* const* p, int np) {
+      if (!args.out_f32) return table_.sum_to_bf16(p, np, n, args.incremental, args.out + at);
+      float* out = args.out_f32 + at;
+      for (int64_t i = 0; i < n; ++i) {
+        float s = args.incremental ? out[i] : 0.0f;
+        for (int q = 0; q < np; ++q) s += p[q][i];
+        out[i] = s;
       }
+    };
+    if (ws.down_rows) {
+      std::fill_n(sum.data(), n, 0.0f);
+      for (int j = 0; j < K; ++j) {
+        const int64_t r = ws.slot_row[t * K + j];
+        if (r < 0) continue;
+        for (int p = 0; p < P; ++p)
+          if (pools_[p]->i_end > pools_[p]->i_begin)  // an empty slice stored nothing
+            table_.add_weighted(sum.data(), ws.pools[p].y.data() + r * Hy + h0, ws.row_weight[r], n);
+      }
+      parts[0] = sum.data();
+      emit(parts.data(), 1);
+    } else {
+      for (int p = 0; p < P; ++p) parts[p] = ws.pools[p].y.data() + t * Hy + h0;
+      emit(parts.data(), P);
     }
   });
 }

@@ -466,8 +466,7 @@ uint64_t MoeLayer::submit_forward(const ForwardArgs& args) {
   if (!args.tokens_ptr && args.tokens < 0) throw std::invalid_argument("forward: negative token count");
   if (!args.tokens_ptr)
     check_expert_ids(args.expert_ids, args.ids_int64, args.tokens, config_.top_k, config_.num_experts);
-  ForwardArgs copy = args;
-  const uint64_t id = runner_->submit([this, copy](const WorkerContext& ctx) { forward_task(copy, ctx); });
+  const uint64_t id = runner_->submit(forward_task(args));
   // Submissions may come from CUDA's host-function thread and Python's: keep the largest id.
   uint64_t last = last_task_.load(std::memory_order_relaxed);
   while (last < id && !last_task_.compare_exchange_weak(last, id, std::memory_order_acq_rel)) {

@@ -25,10 +25,7 @@ struct MoeWorkspace : ExpertRows {
   // [E + 1]: each expert's rows start a new block of 32 in the gathered buffers, so AMX reads them
   // as tiles.
   std::vector<int64_t> padded_offsets;
-  // Set by worker 0, read by all after a barrier. Two flags: the start check and a chunk's routing
-  // have no barrier between them, so one flag could be rewritten while a worker still reads it.
-  bool bad_batch = false;
-  bool bad_routing = false;
+  bool bad_routing = false;  // set by the chunk's route unit, read when its next step opens
   // Per token: int8 input + scales (quantized methods).
   std::vector<int8_t> x_q;
   std::vector<float> x_scale, x_sum;
@@ -55,7 +52,6 @@ struct MoeWorkspace : ExpertRows {
   // token in slot order in phase 4, whichever worker computed it (the result is reproducible).
   bool down_rows = false;
   std::atomic<bool> failed{false};  // a worker failed in this chunk: whoever waits on ready stops
-  PaddedCounter phase_counter[kMaxPools][3];
   PaddedCounter load_counter;
 };
 

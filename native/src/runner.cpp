@@ -1,7 +1,9 @@
 #include "kt/runner.h"
 
 #include <immintrin.h>
+#include <pthread.h>
 #include <sched.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -9,8 +11,10 @@
 #include <cstdint>
 #include <cstdlib>
 #include <stdexcept>
+#include <string>
 #include <utility>
 
+#include "futex.h"
 #include "kt/env.h"
 #include "kt/topology.h"
 
@@ -36,6 +40,30 @@ bool spin_until(F done, int microseconds) {
   }
 }
 
+// A cursor's word: the step's sequence number (low 24 bits), its units and the next unit.
+constexpr int kUnitBits = 20;
+constexpr uint64_t kSeqMask = (uint64_t{1} << 24) - 1;
+uint64_t cursor_word(uint64_t step, int64_t units) {
+  return ((step >> 2) & kSeqMask) << (2 * kUnitBits) | static_cast<uint64_t>(units) << kUnitBits;
+}
+
+// An all-worker task: one step, run once by every worker.
+class EachWorkerTask final : public StepTask {
+ public:
+  explicit EachWorkerTask(Task task) : task_(std::move(task)) {}
+  bool next_step(StepShape& shape) override {
+    if (opened_) return false;
+    opened_ = true;
+    shape.kind = StepShape::Kind::kEachWorker;
+    return true;
+  }
+  void run_unit(int64_t, const WorkerContext& ctx) override { task_(ctx); }
+
+ private:
+  Task task_;
+  bool opened_ = false;
+};
+
 }  // namespace
 
 int Runner::spin_microseconds() {
@@ -53,50 +81,235 @@ Runner::Runner(std::vector<PoolSpec> pools) : pools_(std::move(pools)) {
   for (const auto& p : pools_) {
     if (p.cpus.empty()) throw std::invalid_argument("every pool needs at least one thread");
     total += static_cast<int>(p.cpus.size());
-    worker_cpus_.insert(worker_cpus_.end(), p.cpus.begin(), p.cpus.end());
     pool_barriers_.push_back(std::make_unique<SpinBarrier>(static_cast<int>(p.cpus.size())));
   }
   all_barrier_.reset(total);
   worker_tids_ = std::make_unique<std::atomic<int>[]>(total);
   barriers_reached_ = std::make_unique<std::atomic<uint64_t>[]>(total);
+  in_step_ = std::make_unique<std::atomic<uint64_t>[]>(total);
+  each_done_ = std::make_unique<std::atomic<uint64_t>[]>(total);
   pulled_ = std::make_unique<std::atomic<bool>[]>(total);
   pull_locks_ = std::make_unique<std::mutex[]>(total);
-  for (int i = 0; i < total; ++i) worker_tids_[i] = 0, barriers_reached_[i] = 0, pulled_[i] = false;
-  for (const auto& p : pools_) {
+  for (int i = 0; i < total; ++i) {
+    worker_tids_[i] = 0, barriers_reached_[i] = 0, in_step_[i] = 0, each_done_[i] = 0;
+    pulled_[i] = false;
+  }
+  cursors_ = std::make_unique<Cursor[]>(pools_.size() + 1);
+  shape_.pool_units.resize(pools_.size());
+  for (int p = 0; p < static_cast<int>(pools_.size()); ++p) {
     cpu_set_t set;
     CPU_ZERO(&set);
-    for (int cpu : p.cpus) CPU_SET(cpu, &set);
-    pool_cpus_.insert(pool_cpus_.end(), p.cpus.size(), set);
+    for (int cpu : pools_[p].cpus) CPU_SET(cpu, &set);
+    pool_cpus_.insert(pool_cpus_.end(), pools_[p].cpus.size(), set);
+    for (int r = 0; r < static_cast<int>(pools_[p].cpus.size()); ++r)
+      contexts_.push_back(
+          {static_cast<int>(contexts_.size()), p, r, static_cast<int>(pools_[p].cpus.size()), total, this});
   }
-  int tid = 0;
-  for (int p = 0; p < static_cast<int>(pools_.size()); ++p)
-    for (int r = 0; r < static_cast<int>(pools_[p].cpus.size()); ++r, ++tid)
-      workers_.emplace_back(&Runner::worker_main, this, tid, p, r);
+  for (int tid = 0; tid < total; ++tid) workers_.emplace_back(&Runner::worker_main, this, tid);
 }
 
 Runner::~Runner() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     stopping_ = true;
+    if (!running_) {  // else the task that drains the queue stops the workers
+      stop_.store(true, std::memory_order_release);
+      publish((step_.load(std::memory_order_relaxed) & ~uint64_t{3}) + 4 + kIdle);
+    }
   }
-  queue_cv_.notify_all();
   for (auto& w : workers_) w.join();
 }
 
 uint64_t Runner::submit(Task task) {
+  return submit(std::make_shared<EachWorkerTask>(std::move(task)));
+}
+
+uint64_t Runner::submit(std::shared_ptr<StepTask> task) {
   uint64_t id;
+  bool start;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (stopping_) throw std::runtime_error("the runner is shutting down");
     queue_.push_back(std::move(task));
     id = submitted_.fetch_add(1, std::memory_order_acq_rel) + 1;
+    start = !running_;
+    running_ = true;
   }
-  queue_cv_.notify_one();
+  if (start) advance();  // the runner was idle: this thread opens the task's first step
   return id;
 }
 
+void Runner::advance() {
+  for (;;) {
+    if (!current_) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (queue_.empty()) {
+        running_ = false;
+        stop_.store(stopping_, std::memory_order_release);
+        publish((step_.load(std::memory_order_relaxed) & ~uint64_t{3}) + 4 + kIdle);
+        return;
+      }
+      owned_ = std::move(queue_.front());
+      queue_.pop_front();
+      current_ = owned_.get();
+    }
+    bool more = false;
+    try {
+      more = current_->next_step(shape_);
+      if (more) {
+        const int64_t most = shape_.kind == StepShape::Kind::kPerPool
+                                 ? *std::max_element(shape_.pool_units.begin(), shape_.pool_units.end())
+                                 : shape_.units;
+        const int64_t least = shape_.kind == StepShape::Kind::kPerPool
+                                  ? *std::min_element(shape_.pool_units.begin(), shape_.pool_units.end())
+                                  : shape_.units;
+        if (shape_.kind != StepShape::Kind::kEachWorker && (least < 0 || most > kMaxUnits))
+          throw std::logic_error("a task's step has " + std::to_string(least < 0 ? least : most) +
+                                 " units, outside [0, " + std::to_string(kMaxUnits) + "]");
+      }
+    } catch (...) {
+      record_error(std::current_exception());
+      more = false;
+    }
+    if (!more) {
+      finish_task();
+      continue;
+    }
+    open_step();
+    if (step_units_ > 0) return;
+  }
+}
+
+void Runner::open_step() {
+  const uint64_t serial = (step_.load(std::memory_order_relaxed) >> 2) + 1;
+  const int P = num_pools();
+  uint64_t kind = kAny;
+  int64_t units = 0;
+  switch (shape_.kind) {
+    case StepShape::Kind::kAnyWorker:
+      units = shape_.units;
+      cursors_[P].word.store(cursor_word(serial << 2, units), std::memory_order_relaxed);
+      break;
+    case StepShape::Kind::kPerPool:
+      kind = kPool;
+      for (int p = 0; p < P; ++p) {
+        units += shape_.pool_units[p];
+        cursors_[p].word.store(cursor_word(serial << 2, shape_.pool_units[p]), std::memory_order_relaxed);
+      }
+      break;
+    case StepShape::Kind::kEachWorker:
+      kind = kEach;
+      units = num_threads();
+      break;
+  }
+  step_units_ = units;
+  if (units == 0) return;  // skipped: nothing was published
+  step_done_.store(0, std::memory_order_relaxed);
+  publish(serial << 2 | kind);
+}
+
+void Runner::publish(uint64_t step) {
+  step_.store(step, std::memory_order_release);  // publishes the step's cursors and counts
+  step_futex_.store(static_cast<uint32_t>(step), std::memory_order_seq_cst);
+  if (stop_.load(std::memory_order_relaxed) || step_sleepers_.load(std::memory_order_seq_cst) > 0)
+    futex_wake_all(step_futex_);
+}
+
+void Runner::finish_task() {
+  current_ = nullptr;
+  owned_.reset();
+  bool wake = false;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    wake = completed_.fetch_add(1, std::memory_order_acq_rel) + 1 >= wake_at_;
+    if (wake) wake_at_ = UINT64_MAX;
+  }
+  if (wake) done_cv_.notify_all();
+}
+
+bool Runner::units_left(int pool, uint64_t step) const {
+  const uint64_t w = cursors_[pool].word.load(std::memory_order_seq_cst),
+                 mask = (uint64_t{1} << kUnitBits) - 1;
+  return (w >> (2 * kUnitBits)) == ((step >> 2) & kSeqMask) && (w & mask) < ((w >> kUnitBits) & mask);
+}
+
+bool Runner::claim(int tid, uint64_t step, int64_t& unit) {
+  Cursor& c = cursors_[(step & 3) == kPool ? contexts_[tid].pool : num_pools()];
+  uint64_t w = c.word.load(std::memory_order_acquire);
+  const uint64_t mask = (uint64_t{1} << kUnitBits) - 1;
+  for (;;) {
+    if ((w >> (2 * kUnitBits)) != ((step >> 2) & kSeqMask)) return false;  // another step's
+    const uint64_t units = (w >> kUnitBits) & mask, next = w & mask;
+    if (next >= units) return false;
+    if (c.word.compare_exchange_weak(w, w + 1, std::memory_order_acq_rel, std::memory_order_acquire)) {
+      unit = static_cast<int64_t>(next);
+      return true;
+    }
+  }
+}
+
+void Runner::run_unit(int tid, uint64_t step, int64_t unit) {
+  // A claimed unit holds its step open: what the opener wrote stays until this returns.
+  const int64_t units = step_units_;
+  in_step_[tid].store(step, std::memory_order_relaxed);
+  try {
+    current_->run_unit(unit, contexts_[tid]);
+  } catch (...) {
+    record_error(std::current_exception());
+  }
+  if ((step & 3) == kEach) each_done_[tid].store(step, std::memory_order_seq_cst);
+  in_step_[tid].store(0, std::memory_order_seq_cst);  // before the look at pulled_: see pull_laggards
+  restore_if_pulled(tid);
+  if (step_done_.fetch_add(1, std::memory_order_acq_rel) + 1 == units) advance();
+}
+
+void Runner::wait_for_step(int tid, uint64_t step) {
+  // Pulled for a pool's untaken units that others took: back before waiting (a unit it runs later
+  // restores it too).
+  restore_if_pulled(tid);
+  auto moved = [&] { return step_.load(std::memory_order_acquire) != step; };
+  auto sleep = [&](const timespec* timeout) {
+    step_sleepers_.fetch_add(1, std::memory_order_seq_cst);  // before the futex's look at the word
+    futex_wait(step_futex_, static_cast<uint32_t>(step), timeout);
+    step_sleepers_.fetch_sub(1, std::memory_order_relaxed);
+  };
+  if ((step & 3) == kIdle) {
+    if (spin_until(moved, spin_microseconds())) return;
+    while (!moved()) sleep(nullptr);
+    return;
+  }
+  // Every unit is taken: spin briefly, yield, then sleep; a long wait pulls the workers still in
+  // the step (holding a unit; in an each-worker step, not done with it).
+  for (int i = 0; i < 256 + 64; ++i) {
+    if (moved()) return;
+    if (i < 256)
+      _mm_pause();
+    else
+      sched_yield();
+  }
+  using Clock = std::chrono::steady_clock;
+  const auto long_wait = Clock::now() + std::chrono::microseconds(SpinBarrier::kLongWaitUs);
+  bool pulled = false;
+  while (!moved()) {
+    timespec left{};
+    if (!pulled) {
+      const auto now = Clock::now();
+      if (now >= long_wait) {
+        pull_laggards(tid, [&](int w) {
+          return in_step_[w].load(std::memory_order_seq_cst) == step ||
+                 ((step & 3) == kEach && each_done_[w].load(std::memory_order_seq_cst) != step) ||
+                 ((step & 3) == kPool && units_left(contexts_[w].pool, step));
+        });
+        pulled = true;
+        continue;
+      }
+      left.tv_nsec = std::chrono::duration_cast<std::chrono::nanoseconds>(long_wait - now).count();
+    }
+    sleep(pulled ? nullptr : &left);
+  }
+}
+
 void Runner::wait_for_completions(std::unique_lock<std::mutex>& lock, uint64_t target) {
-  waiter_cpu_.store(sched_getcpu(), std::memory_order_relaxed);
   while (completed_.load() < target) {
     // Every woken caller whose target is not reached yet sets it again.
     wake_at_ = std::min(wake_at_, target);
@@ -135,27 +348,26 @@ void Runner::run(Task task) {
   wait(submit(std::move(task)));
 }
 
-void Runner::pull_laggards(int tid) {
-  const uint64_t mine = barriers_reached_[tid].load(std::memory_order_seq_cst);
+template <class Late>
+void Runner::pull_laggards(int tid, Late&& late) {
   const int cpu = sched_getcpu();
   if (cpu < 0) return;
   cpu_set_t here;
   CPU_ZERO(&here);
   CPU_SET(cpu, &here);
   for (int w = 0; w < num_threads(); ++w) {
-    if (w == tid || barriers_reached_[w].load(std::memory_order_acquire) >= mine) continue;
+    if (w == tid || !late(w)) continue;
     const pid_t thread = worker_tids_[w].load(std::memory_order_acquire);
     if (thread <= 0) continue;
-    // The flag before the second look at the laggard's count, the laggard its count before its
-    // look at the flag (both sequentially consistent): either this sees it arrived and leaves it,
-    // or it sees the flag and restores itself, under the lock, after this move. A check after the
-    // move instead left a laggard that restored itself in between pinned to this core for good
-    // (both workers of a 2-core pool on one core: decode 2x slower).
+    // The flag before the second look at the laggard, the laggard its arrival before its look at
+    // the flag (both sequentially consistent): either this sees it arrived and leaves it, or it
+    // sees the flag and restores itself, under the lock, after this move. A check after the move
+    // instead left a laggard that restored itself in between pinned to this core for good (both
+    // workers of a 2-core pool on one core: decode 2x slower).
     std::lock_guard<std::mutex> lock(pull_locks_[w]);
     if (pulled_[w].load(std::memory_order_relaxed)) continue;  // another worker moved it
     pulled_[w].store(true, std::memory_order_seq_cst);
-    if (barriers_reached_[w].load(std::memory_order_seq_cst) >= mine ||
-        sched_setaffinity(thread, sizeof(here), &here) != 0)
+    if (!late(w) || sched_setaffinity(thread, sizeof(here), &here) != 0)
       pulled_[w].store(false, std::memory_order_relaxed);
     else
       pulls_.fetch_add(1, std::memory_order_relaxed);
@@ -168,6 +380,20 @@ void Runner::restore_if_pulled(int tid) {
   if (pulled_[tid].exchange(false)) sched_setaffinity(0, sizeof(cpu_set_t), &pool_cpus_[tid]);
 }
 
+void WorkerContext::barrier() const {
+  const uint64_t mine = runner->barriers_reached_[tid].fetch_add(1, std::memory_order_seq_cst) + 1;
+  const std::function<void()> pull = [this, mine] {  // after SpinBarrier::kLongWaitUs
+    runner->pull_laggards(
+        tid, [&](int w) { return runner->barriers_reached_[w].load(std::memory_order_seq_cst) < mine; });
+  };
+  runner->all_barrier_.arrive_and_wait(&pull);
+  runner->restore_if_pulled(tid);
+}
+
+void WorkerContext::pool_barrier() const {
+  runner->pool_barriers_[pool]->arrive_and_wait();
+}
+
 int64_t Runner::pending() const {
   return static_cast<int64_t>(submitted_.load() - completed_.load());
 }
@@ -177,65 +403,32 @@ void Runner::record_error(std::exception_ptr error) {
   if (!first_error_) first_error_ = error;
 }
 
-void Runner::worker_main(int tid, int pool, int rank) {
+void Runner::worker_main(int tid) {
   // Any core of the pool, not one core per worker: a worker whose core another thread takes (on a GPU
   // host the CUDA callback thread, the Python thread spinning in synchronize) moves to a core whose
-  // worker waits at a barrier, instead of holding that barrier for a scheduler tick. Two cores with one
-  // busy process beside the engine (bench/bench_contention.py, Qwen3 AMXINT4 at T=1): the median call
-  // went from 7-8x to 1.7-1.9x the median alone, p90 from 7-9x to 1.9-2.4x (with the barrier's short
-  // spin, thread_pool.cpp); pulling only after SpinBarrier::kLongWaitUs, 1.6x and 1.7x.
-  bind_current_thread_to(pools_[pool].cpus);
+  // worker waits, instead of holding the step for a scheduler tick. Two cores with one busy process
+  // beside the engine (bench/bench_contention.py, Qwen3 AMXINT4 at T=1): the median call went from
+  // 7-8x to 1.7-1.9x the median alone, p90 from 7-9x to 1.9-2.4x (with the barrier's short spin,
+  // thread_pool.cpp); pulling only after SpinBarrier::kLongWaitUs, 1.6x and 1.7x.
+  bind_current_thread_to(pools_[contexts_[tid].pool].cpus);
+  pthread_setname_np(pthread_self(), ("kt-worker-" + std::to_string(tid)).substr(0, 15).c_str());  // top -H
   worker_tids_[tid].store(static_cast<int>(gettid()), std::memory_order_release);
-  int total = 0;
-  for (const auto& p : pools_) total += static_cast<int>(p.cpus.size());
-  const WorkerContext me{tid, pool, rank, static_cast<int>(pools_[pool].cpus.size()), total, this};
-  const int spin_us = spin_microseconds();
-  uint64_t seen = 0, taken = 0;
   for (;;) {
-    if (tid == 0) {
-      spin_until([&] { return submitted_.load(std::memory_order_acquire) > taken; }, spin_us);
-      {
-        std::unique_lock<std::mutex> lock(mutex_);
-        queue_cv_.wait(lock, [&] { return !queue_.empty() || stopping_; });
-        if (queue_.empty()) {  // stopping, nothing left to run
-          stop_.store(true);
-          epoch_.fetch_add(1, std::memory_order_release);
-          epoch_.notify_all();
-          return;
-        }
-        current_ = std::move(queue_.front());
-        queue_.pop_front();
-        ++taken;
+    const uint64_t step = step_.load(std::memory_order_acquire);
+    const uint64_t kind = step & 3;
+    if (kind == kIdle && stop_.load(std::memory_order_acquire)) return;
+    int64_t unit = 0;
+    if (kind == kEach) {
+      // Until this worker runs it the step cannot close.
+      if (each_done_[tid].load(std::memory_order_relaxed) != step) {
+        run_unit(tid, step, tid);
+        continue;
       }
-      const auto on_waiter_cpu =
-          std::find(worker_cpus_.begin(), worker_cpus_.end(), waiter_cpu_.load(std::memory_order_relaxed));
-      notifier_ =
-          on_waiter_cpu == worker_cpus_.end() ? 0 : static_cast<int>(on_waiter_cpu - worker_cpus_.begin());
-      seen = epoch_.fetch_add(1, std::memory_order_release) + 1;
-      epoch_.notify_all();
-    } else {
-      if (!spin_until([&] { return epoch_.load(std::memory_order_acquire) != seen; }, spin_us))
-        epoch_.wait(seen, std::memory_order_acquire);
-      seen = epoch_.load(std::memory_order_acquire);
-      if (stop_.load()) return;
+    } else if (kind != kIdle && claim(tid, step, unit)) {
+      run_unit(tid, step, unit);
+      continue;
     }
-    const int notifier = notifier_;  // read before the end barrier: worker 0 rewrites it after
-    try {
-      current_(me);
-    } catch (...) {
-      record_error(std::current_exception());
-    }
-    me.barrier();  // the task's end: counted as its steps' barriers, so that it pulls laggards too
-    if (tid == 0) current_ = nullptr;
-    if (tid == notifier) {
-      bool wake = false;
-      {
-        std::lock_guard<std::mutex> lock(mutex_);
-        wake = completed_.fetch_add(1, std::memory_order_acq_rel) + 1 >= wake_at_;
-        if (wake) wake_at_ = UINT64_MAX;
-      }
-      if (wake) done_cv_.notify_all();
-    }
+    wait_for_step(tid, step);
   }
 }
 

@@ -1,33 +1,17 @@
-// Barriers and the per-worker context of the runner's pools.
+// The barriers of the runner's tasks.
 #include <immintrin.h>
-#include <linux/futex.h>
 #include <sched.h>
-#include <sys/syscall.h>
 #include <time.h>
-#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
-#include <climits>
 #include <cstdint>
 #include <functional>
 
+#include "futex.h"
 #include "kt/runner.h"
 
 namespace kt {
-
-namespace {
-
-// generation_ is the futex word: waits with a timeout (std::atomic::wait has none) and wakes.
-static_assert(sizeof(std::atomic<uint32_t>) == sizeof(uint32_t));
-void futex_wait(std::atomic<uint32_t>& word, uint32_t expected, const timespec* timeout) {
-  syscall(SYS_futex, reinterpret_cast<uint32_t*>(&word), FUTEX_WAIT_PRIVATE, expected, timeout, nullptr, 0);
-}
-void futex_wake_all(std::atomic<uint32_t>& word) {
-  syscall(SYS_futex, reinterpret_cast<uint32_t*>(&word), FUTEX_WAKE_PRIVATE, INT_MAX, nullptr, nullptr, 0);
-}
-
-}  // namespace
 
 void SpinBarrier::arrive_and_wait(const std::function<void()>* on_long_wait) {
   if (count_ <= 1) return;
@@ -67,17 +51,6 @@ void SpinBarrier::arrive_and_wait(const std::function<void()>* on_long_wait) {
     futex_wait(generation_, gen, called ? nullptr : &left);
     sleepers_.fetch_sub(1, std::memory_order_relaxed);
   }
-}
-
-void WorkerContext::barrier() const {
-  runner->barriers_reached_[tid].fetch_add(1, std::memory_order_seq_cst);     // see pull_laggards
-  const std::function<void()> pull = [this] { runner->pull_laggards(tid); };  // after kLongWaitUs
-  runner->all_barrier_.arrive_and_wait(&pull);
-  runner->restore_if_pulled(tid);
-}
-
-void WorkerContext::pool_barrier() const {
-  runner->pool_barriers_[pool]->arrive_and_wait();
 }
 
 }  // namespace kt

@@ -1,6 +1,6 @@
-// How the layer's tasks deal out their work (moe_forward.cpp, the fine-tuning steps of lora_steps.h):
-// every worker takes items from a shared counter, and a failure lets the others reach the task's
-// barriers.
+// How the layer's all-worker tasks deal out their work (loading, the fine-tuning steps of
+// lora_steps.h): every worker takes items from a shared counter, and a failure lets the others
+// reach the task's barriers. The forward's units come from the runner (StepTask).
 #pragma once
 
 #include <atomic>

@@ -163,15 +163,20 @@ class MoeLayer {
   void for_each_file_run(const PoolWeights& pw, G&& gate_up, D&& down) const;
   void pack_expert(int slot, const CanonicalMatrix& gate, const CanonicalMatrix& up,
                    const CanonicalMatrix& down);
-  // The forward task and its steps (moe_forward.cpp), in the order they run per chunk of tokens.
+  // The forward task (moe_forward.cpp) and the units of its steps, in the order they run per chunk
+  // of tokens. The plan sizes each step's units when it opens.
   struct Chunk;
-  void forward_task(const ForwardArgs& args, const WorkerContext& ctx);
-  void route(const Chunk& chunk);  // worker 0
-  void gather_inputs(const Chunk& chunk, const WorkerContext& ctx);
-  void gate_up(const Chunk& chunk, const WorkerContext& ctx);
-  void quantize_h(const Chunk& chunk, const WorkerContext& ctx);
-  void down(const Chunk& chunk, const WorkerContext& ctx);
-  void combine(const Chunk& chunk, const WorkerContext& ctx);
+  struct Plan;
+  class ForwardTask;
+  std::shared_ptr<StepTask> forward_task(const ForwardArgs& args);
+  bool start(Chunk& chunk);        // reads the batch size, routes the first chunk; false: nothing to do
+  void route(const Chunk& chunk);  // sets ws.bad_routing on failure
+  void plan_steps(const Chunk& chunk, Plan& plan) const;
+  void gather_tokens(const Chunk& chunk, int64_t t0, int64_t t1);
+  void gate_up_item(const Chunk& chunk, const Plan& plan, const WorkerContext& ctx, int64_t item);
+  void quantize_h_unit(const Chunk& chunk, const WorkerContext& ctx, int64_t row);
+  void down_unit(const Chunk& chunk, const Plan& plan, const WorkerContext& ctx, int64_t unit);
+  void combine_item(const Chunk& chunk, const Plan& plan, int64_t item);
   // Intermediate channels per gate/up work item: the quantization group (64 for BF16), at least 32
   // (NVFP4's groups of 16 would make items of one panel).
   int64_t h_group() const { return std::max(group_, 32); }

@@ -1,9 +1,11 @@
 // The worker pools and the asynchronous task runner.
 //
 // `threads` workers in total, grouped into pools (one per NUMA node, or several on one node), each
-// pinned to a core. There is no extra dispatcher thread: worker 0 takes the next task from the
-// queue and every worker runs it, so never more than `threads` threads are busy. Idle workers spin
-// briefly, yielding the core now and then, then park on a futex. Callers of sync() sleep.
+// bound to its pool's cores. There is no dispatcher thread: a task runs as a sequence of steps, and
+// the worker that completes a step's last unit opens the next step (or the next task) itself.
+// Units are claimed by whichever workers are free, so nobody waits for a worker that holds no unit:
+// one descheduled between units, or not yet woken, delays nothing. Idle workers spin briefly,
+// yielding the core now and then, then park on a futex. Callers of sync() sleep.
 #pragma once
 
 #include <sched.h>
@@ -58,16 +60,46 @@ struct WorkerContext {
   int pool_size;
   int num_threads;
   Runner* runner;
-  void barrier() const;       // all workers
-  void pool_barrier() const;  // the workers of this pool
+  void barrier() const;       // all workers (tasks submitted as a Task only)
+  void pool_barrier() const;  // the workers of this pool (the same)
 };
 
 // Every worker calls the task once; it returns when this worker's share is done. A task must reach
 // its own barriers on every worker even when part of it fails: catch, record, go on.
 using Task = std::function<void(const WorkerContext&)>;
 
+// The shape of a StepTask's next step.
+struct StepShape {
+  enum class Kind {
+    kAnyWorker,  // `units` units, for any worker
+    kPerPool,    // pool_units[p] units for the workers of pool p (their memory is on its node)
+    kEachWorker  // one unit per worker, unit = ctx.tid: every worker runs it (barriers allowed)
+  };
+  Kind kind = Kind::kAnyWorker;
+  int64_t units = 0;
+  std::vector<int64_t> pool_units;  // sized to the pools by the runner
+};
+
+// A task run step by step by whichever workers are free. The units of a step run in any order on
+// any eligible worker; a step opens once every unit of the previous one has returned.
+class StepTask {
+ public:
+  virtual ~StepTask() = default;
+  // Sets the next step's shape, or returns false when the task is done. Called with no unit of
+  // the task running: by the worker that completed the previous step's last unit, the first time
+  // by the thread that starts the task. Keep it short: the units do the work. A step of no units
+  // is skipped.
+  virtual bool next_step(StepShape& shape) = 0;
+  // Unit `unit` of the open step (kPerPool: of ctx.pool's units). An exception is recorded for
+  // sync() and counts the unit done.
+  virtual void run_unit(int64_t unit, const WorkerContext& ctx) = 0;
+};
+
 class Runner {
  public:
+  // Units a step may have (a cursor's field).
+  static constexpr int64_t kMaxUnits = (int64_t{1} << 20) - 1;
+
   explicit Runner(std::vector<PoolSpec> pools);
   ~Runner();
   Runner(const Runner&) = delete;
@@ -75,6 +107,7 @@ class Runner {
 
   // Enqueues a task and returns at once; tasks run in submission order. Returns its sequence number.
   uint64_t submit(Task task);
+  uint64_t submit(std::shared_ptr<StepTask> task);
   // Waits until at most `allow_pending` of the tasks submitted before the call are queued or
   // running (tasks submitted meanwhile by other threads do not extend the wait), then rethrows the
   // first error any finished task recorded (once).
@@ -95,27 +128,50 @@ class Runner {
   int num_pools() const { return static_cast<int>(pools_.size()); }
   const PoolSpec& pool(int p) const { return pools_[p]; }
   static int spin_microseconds();
-  // How many times a worker waiting at the all-worker barrier moved a late one onto its core.
+  // How many times a waiting worker moved a late one onto its core.
   uint64_t pulls() const { return pulls_.load(std::memory_order_relaxed); }
 
  private:
   friend struct WorkerContext;
-  void worker_main(int tid, int pool, int rank);
-  // A worker that has waited SpinBarrier::kLongWaitUs at the all-worker barrier moves the workers
-  // that have not reached it onto its own core (their affinity, for this barrier only): a worker
-  // preempted on a core another thread holds otherwise waits there for a scheduler slice (several
-  // ms), since the kernel does not pull a task that ran within its migration-cost window onto an
-  // idle core.
-  void pull_laggards(int tid);
+  struct alignas(64) Cursor {
+    // The step's sequence number (low 24 bits), its units and the next unit (20 bits each): a
+    // claim is a compare-and-swap that fails once the step changed.
+    std::atomic<uint64_t> word{0};
+  };
+  enum StepKind : uint64_t { kIdle = 0, kAny = 1, kPool = 2, kEach = 3 };
+
+  void worker_main(int tid);
+  // Runs tasks from the queue until one has a step to open, or the queue is empty (idle). Called
+  // by the completer of a task's last step, or by submit() when the runner was idle.
+  void advance();
+  void open_step();  // shape_ of current_ published
+  void finish_task();
+  void publish(uint64_t step);
+  bool claim(int tid, uint64_t step, int64_t& unit);
+  bool units_left(int pool, uint64_t step) const;  // pool's units of kPool step `step` not all taken
+  void run_unit(int tid, uint64_t step, int64_t unit);
+  // Waits for the step word to move from `step`; once it has waited SpinBarrier::kLongWaitUs on
+  // an open step, pulls the workers it waits for onto this core: those holding its units (in an
+  // each-worker step, not done with theirs), and those of a pool whose units are not all taken.
+  void wait_for_step(int tid, uint64_t step);
+  // A worker that has waited SpinBarrier::kLongWaitUs moves the workers `late` names onto its own
+  // core (their affinity, until they arrive): a worker preempted on a core another thread holds
+  // otherwise waits there for a scheduler slice (several ms), since the kernel does not pull a task
+  // that ran within its migration-cost window onto an idle core.
+  template <class Late>
+  void pull_laggards(int tid, Late&& late);
   void restore_if_pulled(int tid);
 
   std::vector<PoolSpec> pools_;
-  std::vector<int> worker_cpus_;  // by tid
+  std::vector<WorkerContext> contexts_;  // by tid
   std::vector<std::thread> workers_;
-  // By tid: the thread's id (for sched_setaffinity), barriers it reached, whether another worker
+  // By tid: the thread's id (for sched_setaffinity), barriers it reached, the step (word) whose
+  // unit it runs (0: none), the serial of the last each-worker step it ran, whether another worker
   // moved it onto its core.
   std::unique_ptr<std::atomic<int>[]> worker_tids_;
   std::unique_ptr<std::atomic<uint64_t>[]> barriers_reached_;
+  std::unique_ptr<std::atomic<uint64_t>[]> in_step_;
+  std::unique_ptr<std::atomic<uint64_t>[]> each_done_;
   std::unique_ptr<std::atomic<bool>[]> pulled_;
   std::unique_ptr<std::mutex[]> pull_locks_;  // by tid: a move of the worker and its restore
   std::vector<cpu_set_t> pool_cpus_;          // by tid: the cores of its pool, its affinity
@@ -123,10 +179,23 @@ class Runner {
   SpinBarrier all_barrier_;
   std::vector<std::unique_ptr<SpinBarrier>> pool_barriers_;
 
+  // The open step: written by whoever opens it (no unit of the task runs then), read by the
+  // units. step_ (serial number << 2 | StepKind) is stored last, then its low half in step_futex_,
+  // the word idle workers sleep on.
+  alignas(64) std::atomic<uint64_t> step_{kIdle};
+  std::atomic<uint32_t> step_futex_{kIdle};
+  std::atomic<int> step_sleepers_{0};
+  std::unique_ptr<Cursor[]> cursors_;  // by pool, then one for kAnyWorker steps
+  alignas(64) std::atomic<int64_t> step_done_{0};
+  int64_t step_units_ = 0;
+  StepTask* current_ = nullptr;
+  std::shared_ptr<StepTask> owned_;  // current_'s owner
+  StepShape shape_;
+
   mutable std::mutex mutex_;
-  std::condition_variable queue_cv_;  // worker 0 waits for tasks
-  std::condition_variable done_cv_;   // callers of sync() wait for completions
-  std::deque<Task> queue_;
+  std::condition_variable done_cv_;  // callers of sync() wait for completions
+  std::deque<std::shared_ptr<StepTask>> queue_;
+  bool running_ = false;  // a task is open (under mutex_)
   std::atomic<uint64_t> submitted_{0};
   std::atomic<uint64_t> completed_{0};
   // The fewest completions a sleeping caller waits for (none: UINT64_MAX). Callers are woken
@@ -134,17 +203,8 @@ class Runner {
   // 6-8 us of idle a task on 2 cores (the caller took a worker's core only to sleep again).
   uint64_t wake_at_ = UINT64_MAX;
   void wait_for_completions(std::unique_lock<std::mutex>& lock, uint64_t target);
-  // The CPU the last caller slept on. The worker pinned there (else worker 0) counts the task's
-  // completion and wakes the callers: a wake-up from the caller's own CPU is local, one from another
-  // CPU is an interrupt between CPUs (Zen 4 VM, 2 cores: a fully masked forward 15-17 us against
-  // 29-37 us).
-  std::atomic<int> waiter_cpu_{-1};
-  int notifier_ = 0;  // the waking worker of the current task: written by worker 0 before it bumps epoch_
   std::exception_ptr first_error_;
   bool stopping_ = false;
-
-  Task current_;  // written by worker 0 before it bumps epoch_
-  alignas(64) std::atomic<uint64_t> epoch_{0};
   std::atomic<bool> stop_{false};
 };
 
