@@ -136,12 +136,12 @@ int64_t max_rows_per_call(const MoeWorkspace& ws) {
 
 // How the open chunk's steps are cut into units: set when the chunk is routed.
 struct MoeLayer::Plan {
-  int64_t max_rows = 0;  // rows of the longest kernel call
-  int64_t tokens_per_gather = 1, gather_units = 0;
+  int64_t max_rows = 0;                          // rows of the longest kernel call
+  int64_t tokens_per_unit = 1, token_units = 0;  // gather, combine: runs of tokens, four per worker
   struct Pool {
     int64_t per_item = 1, items_per_expert = 0, blocks_per_call = 1, gate_up_items = 0;  // gate/up
     int64_t gate_up_step_units = 0;    // its items, then (small chunks) the down units
-    int64_t quantize_h_units = 0;      // large chunks of int8_h methods: one per row
+    int64_t quantize_h_units = 0;      // large chunks of int8_h methods: one per block of 32 rows
     std::vector<int64_t> down_starts;  // small chunks: each down range's first (expert, panel), then the end
     int64_t down_per_item = 0, down_units = 0;  // large chunks: output panels per item; either: units
   };
@@ -190,20 +190,16 @@ class MoeLayer::ForwardTask final : public StepTask {
       for (int p = 0; p < chunk_.P; ++p) shape.pool_units[p] = plan_.pools[p].*units;
       return true;
     };
-    switch (step_) {
-      case Step::kNone:
-        step_ = Step::kStart;
-        return any(1);
-      case Step::kStart:
-        if (!started_) return false;
-        [[fallthrough]];
-      case Step::kRoute:
-        if (ws.bad_routing) return false;
-        layer_.plan_steps(chunk_, plan_);
-        step_ = Step::kGather;
-        return any(plan_.gather_units);
-      default:
-        break;
+    if (step_ == Step::kNone) {
+      step_ = Step::kStart;
+      return any(1);
+    }
+    if (step_ == Step::kStart && !started_) return false;
+    if (step_ == Step::kStart || step_ == Step::kRoute) {
+      if (ws.bad_routing) return false;
+      layer_.plan_steps(chunk_, plan_);
+      step_ = Step::kGather;
+      return any(plan_.token_units);
     }
     if (ws.failed.load(std::memory_order_acquire)) return false;
     switch (step_) {
@@ -211,16 +207,13 @@ class MoeLayer::ForwardTask final : public StepTask {
         step_ = Step::kGateUp;
         return per_pool(&Plan::Pool::gate_up_step_units);
       case Step::kGateUp:
-        if (ws.down_rows) break;
-        if (chunk_.int8_h) {
-          step_ = Step::kQuantizeH;
-          return per_pool(&Plan::Pool::quantize_h_units);
-        }
-        [[fallthrough]];
+        if (ws.down_rows) break;  // its down ran in this step
+        step_ = chunk_.int8_h ? Step::kQuantizeH : Step::kDown;
+        return per_pool(chunk_.int8_h ? &Plan::Pool::quantize_h_units : &Plan::Pool::down_units);
       case Step::kQuantizeH:
         step_ = Step::kDown;
         return per_pool(&Plan::Pool::down_units);
-      case Step::kCombine:
+      case Step::kCombine:  // the next chunk
         chunk_.c0 += layer_.config_.max_chunk_tokens;
         if (chunk_.c0 >= ws.tokens) return false;
         chunk_.Tc = std::min(layer_.config_.max_chunk_tokens, ws.tokens - chunk_.c0);
@@ -229,7 +222,7 @@ class MoeLayer::ForwardTask final : public StepTask {
       default:
         break;
     }
-    step_ = Step::kCombine;  // after down
+    step_ = Step::kCombine;
     return any(plan_.combine_units);
   }
 
@@ -242,8 +235,8 @@ class MoeLayer::ForwardTask final : public StepTask {
         layer_.route(chunk_);
         break;
       case Step::kGather: {
-        const int64_t t0 = unit * plan_.tokens_per_gather;
-        layer_.gather_tokens(chunk_, t0, std::min(chunk_.Tc, t0 + plan_.tokens_per_gather));
+        const int64_t t0 = unit * plan_.tokens_per_unit;
+        layer_.gather_tokens(chunk_, t0, std::min(chunk_.Tc, t0 + plan_.tokens_per_unit));
         break;
       }
       case Step::kGateUp: {
@@ -307,8 +300,8 @@ void MoeLayer::plan_steps(const Chunk& chunk, Plan& plan) const {
   const int64_t active = static_cast<int64_t>(ws.active.size());
   const int threads = runner_->num_threads();
   plan.max_rows = max_rows_per_call(ws);
-  plan.tokens_per_gather = std::max<int64_t>(1, chunk.Tc / (4 * threads));
-  plan.gather_units = (chunk.Tc + plan.tokens_per_gather - 1) / plan.tokens_per_gather;
+  plan.tokens_per_unit = std::max<int64_t>(1, chunk.Tc / (4 * threads));
+  plan.token_units = (chunk.Tc + plan.tokens_per_unit - 1) / plan.tokens_per_unit;
   const int64_t panels = chunk.Hy / kPanelWidth;
   for (int p = 0; p < chunk.P; ++p) {
     Plan::Pool& pp = plan.pools[p];
@@ -323,7 +316,7 @@ void MoeLayer::plan_steps(const Chunk& chunk, Plan& plan) const {
     // ones one block per call, so that c_buf stays within the L2.
     pp.blocks_per_call = ws.down_rows ? pp.per_item : 1;
     pp.gate_up_items = pp.gate_up_step_units = pp.items_per_expert * active;
-    pp.quantize_h_units = chunk.int8_h && slice > 0 ? ws.offsets[chunk.E] : 0;
+    pp.quantize_h_units = chunk.int8_h && slice > 0 ? (ws.offsets[chunk.E] + kRowBlock - 1) / kRowBlock : 0;
     pp.down_starts.clear();
     pp.down_units = 0;
     if (slice == 0) continue;
@@ -351,7 +344,7 @@ void MoeLayer::plan_steps(const Chunk& chunk, Plan& plan) const {
   // With fewer tokens than workers (decode) each token's columns are split among them.
   plan.splits = std::max<int64_t>(1, threads / chunk.Tc);
   plan.width = round_up((chunk.H + plan.splits - 1) / plan.splits, kPanelWidth);
-  plan.combine_units = chunk.Tc * plan.splits;
+  plan.combine_units = plan.token_units * plan.splits;
 }
 
 // Routing: groups chunk [c0, c0 + Tc)'s rows by expert and sizes the buffers; sets
@@ -531,13 +524,16 @@ void MoeLayer::gate_up_item(const Chunk& chunk, const Plan& plan, const WorkerCo
   });
 }
 
-// The int8 h of large chunks (int8_h methods, per pool): row `r` of the chunk quantized per group,
-// once for all the output blocks of the down projection.
-void MoeLayer::quantize_h_unit(const Chunk& chunk, const WorkerContext& ctx, int64_t r) {
+// The int8 h of large chunks (int8_h methods, per pool): rows [32 * block, 32 * block + 32) of the
+// chunk quantized per group, once for all the output blocks of the down projection.
+void MoeLayer::quantize_h_unit(const Chunk& chunk, const WorkerContext& ctx, int64_t block) {
   MoeWorkspace& ws = *workspace_;
   auto& ps = ws.pools[ctx.pool];
   const int64_t slice = pools_[ctx.pool]->i_end - pools_[ctx.pool]->i_begin;
-  guarded(*runner_, ws.failed, [&] { quantize_h_row(ws, ps, slice, chunk.Gd, ws.row_expert[r], r); });
+  guarded(*runner_, ws.failed, [&] {
+    for (int64_t r = block * kRowBlock; r < std::min((block + 1) * kRowBlock, ws.offsets[chunk.E]); ++r)
+      quantize_h_row(ws, ps, slice, chunk.Gd, ws.row_expert[r], r);
+  });
 }
 
 // Down (per pool): y[token] += weight * (h Wd^T) for every row. Large chunks: a unit is a block of
@@ -625,43 +621,45 @@ void MoeLayer::down_unit(const Chunk& chunk, const Plan& plan, const WorkerConte
   });
 }
 
-// Combine, one token's columns (`item`: token * plan.splits + split): the pools' partial outputs
-// (down_rows: the token's rows in slot order, weighted) summed into bf16, or fp32 (out_f32).
-void MoeLayer::combine_item(const Chunk& chunk, const Plan& plan, int64_t item) {
+// Combine, a run of tokens' columns (`unit`: run * plan.splits + split): the pools' partial outputs
+// (down_rows: each token's rows in slot order, weighted) summed into bf16, or fp32 (out_f32).
+void MoeLayer::combine_item(const Chunk& chunk, const Plan& plan, int64_t unit) {
   MoeWorkspace& ws = *workspace_;
   const auto& [args, c0, Tc, E, K, P, G, Gd, H, Hp, Hy, Gh, int8_x, int8_h, gemm_q, down_q, gemm_a16,
                down_a16] = chunk;
-  const int64_t t = item / plan.splits, h0 = item % plan.splits * plan.width;
+  const int64_t t0 = unit / plan.splits * plan.tokens_per_unit, h0 = unit % plan.splits * plan.width;
   const int64_t n = std::min(H, h0 + plan.width) - h0;
   if (n <= 0) return;
   guarded(*runner_, ws.failed, [&] {
     thread_local std::vector<const float*> parts;
     thread_local std::vector<float> sum;
     grow(parts, P), grow(sum, Hy);
-    const int64_t at = (c0 + t) * H + h0;
-    auto emit = [&](const float* const* p, int np) {
-      if (!args.out_f32) return table_.sum_to_bf16(p, np, n, args.incremental, args.out + at);
-      float* out = args.out_f32 + at;
-      for (int64_t i = 0; i < n; ++i) {
-        float s = args.incremental ? out[i] : 0.0f;
-        for (int q = 0; q < np; ++q) s += p[q][i];
-        out[i] = s;
+    for (int64_t t = t0; t < std::min(Tc, t0 + plan.tokens_per_unit); ++t) {
+      const int64_t at = (c0 + t) * H + h0;
+      auto emit = [&](const float* const* p, int np) {
+        if (!args.out_f32) return table_.sum_to_bf16(p, np, n, args.incremental, args.out + at);
+        float* out = args.out_f32 + at;
+        for (int64_t i = 0; i < n; ++i) {
+          float s = args.incremental ? out[i] : 0.0f;
+          for (int q = 0; q < np; ++q) s += p[q][i];
+          out[i] = s;
+        }
+      };
+      if (ws.down_rows) {
+        std::fill_n(sum.data(), n, 0.0f);
+        for (int j = 0; j < K; ++j) {
+          const int64_t r = ws.slot_row[t * K + j];
+          if (r < 0) continue;
+          for (int p = 0; p < P; ++p)
+            if (pools_[p]->i_end > pools_[p]->i_begin)  // an empty slice stored nothing
+              table_.add_weighted(sum.data(), ws.pools[p].y.data() + r * Hy + h0, ws.row_weight[r], n);
+        }
+        parts[0] = sum.data();
+        emit(parts.data(), 1);
+      } else {
+        for (int p = 0; p < P; ++p) parts[p] = ws.pools[p].y.data() + t * Hy + h0;
+        emit(parts.data(), P);
       }
-    };
-    if (ws.down_rows) {
-      std::fill_n(sum.data(), n, 0.0f);
-      for (int j = 0; j < K; ++j) {
-        const int64_t r = ws.slot_row[t * K + j];
-        if (r < 0) continue;
-        for (int p = 0; p < P; ++p)
-          if (pools_[p]->i_end > pools_[p]->i_begin)  // an empty slice stored nothing
-            table_.add_weighted(sum.data(), ws.pools[p].y.data() + r * Hy + h0, ws.row_weight[r], n);
-      }
-      parts[0] = sum.data();
-      emit(parts.data(), 1);
-    } else {
-      for (int p = 0; p < P; ++p) parts[p] = ws.pools[p].y.data() + t * Hy + h0;
-      emit(parts.data(), P);
     }
   });
 }

@@ -174,9 +174,9 @@ class MoeLayer {
   void plan_steps(const Chunk& chunk, Plan& plan) const;
   void gather_tokens(const Chunk& chunk, int64_t t0, int64_t t1);
   void gate_up_item(const Chunk& chunk, const Plan& plan, const WorkerContext& ctx, int64_t item);
-  void quantize_h_unit(const Chunk& chunk, const WorkerContext& ctx, int64_t row);
+  void quantize_h_unit(const Chunk& chunk, const WorkerContext& ctx, int64_t block);
   void down_unit(const Chunk& chunk, const Plan& plan, const WorkerContext& ctx, int64_t unit);
-  void combine_item(const Chunk& chunk, const Plan& plan, int64_t item);
+  void combine_item(const Chunk& chunk, const Plan& plan, int64_t unit);
   // Intermediate channels per gate/up work item: the quantization group (64 for BF16), at least 32
   // (NVFP4's groups of 16 would make items of one panel).
   int64_t h_group() const { return std::max(group_, 32); }
