@@ -160,6 +160,7 @@ class Runner {
   // that ran within its migration-cost window onto an idle core.
   template <class Late>
   void pull_laggards(int tid, Late&& late);
+  static constexpr int kPullProbeUs = 100;  // how long pull_laggards watches a laggard's run queue time
   void restore_if_pulled(int tid);
 
   std::vector<PoolSpec> pools_;
