@@ -125,6 +125,19 @@ void quantize_h_row(const MoeWorkspace& ws, MoeWorkspace::PoolScratch& ps, int64
   store_tiled(tiled_row(ps.h_q.data(), pr, slice), 0, q.data(), slice);
 }
 
+// Waits until `count` reaches `target` (units of the same step that other workers hold), or throws
+// once a worker failed.
+void wait_until(const std::atomic<int64_t>& count, int64_t target, const std::atomic<bool>& failed) {
+  for (int i = 0; count.load(std::memory_order_acquire) < target; ++i) {
+    if (failed.load(std::memory_order_acquire))
+      throw std::runtime_error("forward: stopped after another worker failed");
+    if (i < 4096)
+      _mm_pause();
+    else
+      sched_yield();
+  }
+}
+
 // Rows of the longest kernel call: a token may name an expert twice, so up to Tc * top_k.
 int64_t max_rows_per_call(const MoeWorkspace& ws) {
   int64_t max_rows = 0;
@@ -140,7 +153,7 @@ struct MoeLayer::Plan {
   int64_t tokens_per_unit = 1, token_units = 0;  // gather, combine: runs of tokens, four per worker
   struct Pool {
     int64_t per_item = 1, items_per_expert = 0, blocks_per_call = 1, gate_up_items = 0;  // gate/up
-    int64_t gate_up_step_units = 0;    // its items, then (small chunks) the down units
+    int64_t experts_units = 0;         // the experts step: gate/up items, [int8 h blocks,] down units
     int64_t quantize_h_units = 0;      // large chunks of int8_h methods: one per block of 32 rows
     std::vector<int64_t> down_starts;  // small chunks: each down range's first (expert, panel), then the end
     int64_t down_per_item = 0, down_units = 0;  // large chunks: output panels per item; either: units
@@ -204,15 +217,8 @@ class MoeLayer::ForwardTask final : public StepTask {
     if (ws.failed.load(std::memory_order_acquire)) return false;
     switch (step_) {
       case Step::kGather:
-        step_ = Step::kGateUp;
-        return per_pool(&Plan::Pool::gate_up_step_units);
-      case Step::kGateUp:
-        if (ws.down_rows) break;  // its down ran in this step
-        step_ = chunk_.int8_h ? Step::kQuantizeH : Step::kDown;
-        return per_pool(chunk_.int8_h ? &Plan::Pool::quantize_h_units : &Plan::Pool::down_units);
-      case Step::kQuantizeH:
-        step_ = Step::kDown;
-        return per_pool(&Plan::Pool::down_units);
+        step_ = Step::kExperts;
+        return per_pool(&Plan::Pool::experts_units);
       case Step::kCombine:  // the next chunk
         chunk_.c0 += layer_.config_.max_chunk_tokens;
         if (chunk_.c0 >= ws.tokens) return false;
@@ -239,19 +245,8 @@ class MoeLayer::ForwardTask final : public StepTask {
         layer_.gather_tokens(chunk_, t0, std::min(chunk_.Tc, t0 + plan_.tokens_per_unit));
         break;
       }
-      case Step::kGateUp: {
-        const int64_t items = plan_.pools[ctx.pool].gate_up_items;
-        if (unit < items)
-          layer_.gate_up_item(chunk_, plan_, ctx, unit);
-        else
-          layer_.down_unit(chunk_, plan_, ctx, unit - items);
-        break;
-      }
-      case Step::kQuantizeH:
-        layer_.quantize_h_unit(chunk_, ctx, unit);
-        break;
-      case Step::kDown:
-        layer_.down_unit(chunk_, plan_, ctx, unit);
+      case Step::kExperts:
+        run_experts_unit(unit, ctx);
         break;
       case Step::kCombine:
         layer_.combine_item(chunk_, plan_, unit);
@@ -262,7 +257,38 @@ class MoeLayer::ForwardTask final : public StepTask {
   }
 
  private:
-  enum class Step { kNone, kStart, kRoute, kGather, kGateUp, kQuantizeH, kDown, kCombine };
+  enum class Step { kNone, kStart, kRoute, kGather, kExperts, kCombine };
+
+  // A pool's units of the experts step, taken in order: its gate/up items, then (large chunks of
+  // int8_h methods) its int8 h blocks, then its down units. Each waits only for what it reads, in
+  // its own pool: large chunks' h blocks for every gate/up item, their down units for every h
+  // block (or gate/up item); small chunks' down runs for their expert's h (down_unit). Every unit
+  // waited for was taken before the waiting one, so the waits end; the pools go on independently.
+  void run_experts_unit(int64_t unit, const WorkerContext& ctx) {
+    MoeWorkspace& ws = *layer_.workspace_;
+    const Plan::Pool& pp = plan_.pools[ctx.pool];
+    auto& ps = ws.pools[ctx.pool];
+    if (unit < pp.gate_up_items) {
+      layer_.gate_up_item(chunk_, plan_, ctx, unit);
+      ps.stage_done[0].fetch_add(1, std::memory_order_acq_rel);
+      return;
+    }
+    unit -= pp.gate_up_items;
+    if (!ws.down_rows && unit < pp.quantize_h_units) {
+      wait_until(ps.stage_done[0], pp.gate_up_items, ws.failed);
+      layer_.quantize_h_unit(chunk_, ctx, unit);
+      ps.stage_done[1].fetch_add(1, std::memory_order_acq_rel);
+      return;
+    }
+    if (!ws.down_rows) {
+      unit -= pp.quantize_h_units;
+      if (pp.quantize_h_units > 0)
+        wait_until(ps.stage_done[1], pp.quantize_h_units, ws.failed);
+      else
+        wait_until(ps.stage_done[0], pp.gate_up_items, ws.failed);
+    }
+    layer_.down_unit(chunk_, plan_, ctx, unit);
+  }
   MoeLayer& layer_;
   const ForwardArgs args_;
   Chunk chunk_;
@@ -315,10 +341,11 @@ void MoeLayer::plan_steps(const Chunk& chunk, Plan& plan) const {
     // weights (Zen 4, Qwen3 INT4 at T=1: x1.03-1.04 when the host's bandwidth is high); large
     // ones one block per call, so that c_buf stays within the L2.
     pp.blocks_per_call = ws.down_rows ? pp.per_item : 1;
-    pp.gate_up_items = pp.gate_up_step_units = pp.items_per_expert * active;
+    pp.gate_up_items = pp.items_per_expert * active;
     pp.quantize_h_units = chunk.int8_h && slice > 0 ? (ws.offsets[chunk.E] + kRowBlock - 1) / kRowBlock : 0;
     pp.down_starts.clear();
     pp.down_units = 0;
+    pp.experts_units = pp.gate_up_items;
     if (slice == 0) continue;
     if (ws.down_rows) {
       // Runs of (expert, panel) pairs: long ones first, shorter as the work runs out, so that the
@@ -333,13 +360,13 @@ void MoeLayer::plan_steps(const Chunk& chunk, Plan& plan) const {
       }
       pp.down_starts.push_back(units);
       pp.down_units = static_cast<int64_t>(pp.down_starts.size()) - 1;
-      pp.gate_up_step_units += pp.down_units;  // one step: down waits per expert for its h
     } else {
       // Few, wide items (h is re-read per item, and each expert's run of weights is longer).
       pp.down_per_item =
           std::clamp<int64_t>(panels / (kDownItemsPerWorker * pool_size), kMinDownPanels, kMaxDownPanels);
       pp.down_units = (panels + pp.down_per_item - 1) / pp.down_per_item;
     }
+    pp.experts_units = pp.gate_up_items + (ws.down_rows ? 0 : pp.quantize_h_units) + pp.down_units;
   }
   // With fewer tokens than workers (decode) each token's columns are split among them.
   plan.splits = std::max<int64_t>(1, threads / chunk.Tc);
@@ -393,6 +420,8 @@ void MoeLayer::route(const Chunk& chunk) {
         ps.ready_size = ws.active.size();
       }
       for (size_t a = 0; a < ws.active.size(); ++a) ps.ready[a].store(0, std::memory_order_relaxed);
+      ps.stage_done[0].store(0, std::memory_order_relaxed),
+          ps.stage_done[1].store(0, std::memory_order_relaxed);
     }
     ws.bad_routing = false;
   });
@@ -593,22 +622,10 @@ void MoeLayer::down_unit(const Chunk& chunk, const Plan& plan, const WorkerConte
     };
     if (ws.down_rows) {
       grow(sc.c_buf, plan.max_rows * std::min<int64_t>(kMaxRunPanels, panels) * kPanelWidth);
-      // Waits until expert a's h is complete. Every gate/up item was taken before any down unit
-      // (one step, units in order), so the wait ends unless the worker holding one failed.
-      auto wait_ready = [&](int64_t a) {
-        for (int i = 0; ps.ready[a].load(std::memory_order_acquire) <= slice_groups; ++i) {
-          if (ws.failed.load(std::memory_order_acquire))
-            throw std::runtime_error("forward: stopped after another worker failed");
-          if (i < 4096)
-            _mm_pause();
-          else
-            sched_yield();
-        }
-      };
       const int64_t u0 = pp.down_starts[unit], u1 = pp.down_starts[unit + 1];
       for (int64_t u = u0; u < u1;) {  // a run may end one expert's panels and start the next's
         const int64_t a = u / panels, p0 = u % panels, npan = std::min(panels - p0, u1 - u);
-        wait_ready(a);
+        wait_until(ps.ready[a], slice_groups + 1, ws.failed);  // its h complete
         down_run(ws.active[a], p0, static_cast<int>(npan));
         u += npan;
       }

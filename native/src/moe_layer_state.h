@@ -46,6 +46,8 @@ struct MoeWorkspace : ExpertRows {
     // (int8_h: quantized). An expert's down runs start on that, not on a barrier after all of gate/up.
     std::unique_ptr<std::atomic<int64_t>[]> ready;
     size_t ready_size = 0;
+    // Large chunks: gate/up items and int8 h blocks done (the experts step's stages).
+    std::unique_ptr<std::atomic<int64_t>[]> stage_done = std::make_unique<std::atomic<int64_t>[]>(2);
   };
   std::vector<PoolScratch> pools;
   // Small chunks (kMaxDownRowsTokens): each pool's y holds every row's down projection, summed per
