@@ -162,9 +162,9 @@ struct MoeLayer::Plan {
   int64_t splits = 1, width = 0, combine_units = 0;  // combine: column splits per token, their width
 };
 
-// The forward as steps, per chunk of tokens: route (the first with the start checks), gather,
-// gate/up (small chunks: with down, each expert's down starting when its h is complete), the int8
-// h of large chunks, down, combine. Each opens when every unit of the one before has returned.
+// The forward as steps, per chunk of tokens: route (the first with the start checks), gather, the
+// experts (gate/up, the int8 h of large chunks, down; per pool), combine. Each opens when every
+// unit of the one before has returned.
 class MoeLayer::ForwardTask final : public StepTask {
  public:
   ForwardTask(MoeLayer& layer, const ForwardArgs& args)
