@@ -289,6 +289,7 @@ class MoeLayer::ForwardTask final : public StepTask {
     }
     layer_.down_unit(chunk_, plan_, ctx, unit);
   }
+
   MoeLayer& layer_;
   const ForwardArgs args_;
   Chunk chunk_;
