@@ -82,10 +82,14 @@ class EachWorkerTask final : public StepTask {
 }  // namespace
 
 int Runner::spin_microseconds() {
-  // Short: on small machines the thread that feeds the engine (SGLang's scheduler) needs the cores
-  // between layers.
+  // Longer than the caller's work between two layers' forwards (on the 2-core Xeon, Python's ~70 us
+  // per call of a CPU-only decode loop), so the next forward finds its workers awake: woken from
+  // the futex they started a one-token forward 25 us after the submit instead of 2 (Qwen3 layer,
+  // Q4_K GGUF: 0.96 against 0.99 ms submit to return, with 50 us). The spin yields every 64 pauses,
+  // so the thread that feeds the engine still gets its core (bench_contention.py beside a busy
+  // process: median 1.56-1.60x alone at 400 us, 1.53-1.65x at 50).
   static const int us = static_cast<int>(
-      env_integer("KT_SGLANG_SPIN_US", 50, 0, 1000000, "a spin time in microseconds (0: sleep at once)"));
+      env_integer("KT_SGLANG_SPIN_US", 400, 0, 1000000, "a spin time in microseconds (0: sleep at once)"));
   return us;
 }
 
