@@ -36,9 +36,10 @@ inline void gemm_quant_tile(int64_t K, const QuantRows& a, int i0, const uint8_t
   // layer, Q4_K GGUF, Emerald Rapids: one token x1.02-1.03, 128 tokens x1.07-1.12).
   constexpr int kStepK = kGroup > kChunkBytes ? kGroup : kChunkBytes;
   const __m256i ones = _mm256_set1_epi16(1);
-  // Prefetch ahead of the weight stream as the AVX-512 kernels do (weight_prefetch_bytes: 4 KiB on
-  // Intel, none elsewhere): on an Emerald Rapids core, Qwen3 layer, one token, INT4 g32 1.92 -> 1.28
-  // ms, INT8 g32 2.78 -> 2.23 ms (the hardware prefetcher alone: 53-56% of the read bandwidth).
+  // Prefetch ahead of the weight stream into L2 as the AVX-512 kernels do (weight_prefetch_bytes: 4
+  // KiB on Intel, none elsewhere): on an Emerald Rapids core, Qwen3 layer, one token, INT4 g32 1.92
+  // -> 1.28 ms, INT8 g32 2.78 -> 2.23 ms (the hardware prefetcher alone: 53-56% of the read
+  // bandwidth); into L2 rather than L1, Q4_K GGUF x1.08-1.13 more (docs/engine.md).
   const int64_t ahead = prefetch_distance(gbytes);
   const int64_t stride = a.chunk_stride;
   const int8_t* x[kRows];
@@ -60,7 +61,7 @@ inline void gemm_quant_tile(int64_t K, const QuantRows& a, int i0, const uint8_t
 #pragma GCC unroll 4
     for (int gs = 0; gs < kStepK / kGroup; ++gs, ++gi, w += gbytes) {
       for (int64_t off = 0; ahead > 0 && off < gbytes; off += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(w) + ahead + off, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(w) + ahead + off, _MM_HINT_T1);
       const int g0 = gs * kGroup;  // the group's first K-offset in the step
       __m256i d[kRows][2];
       for (int i = 0; i < kRows; ++i) d[i][0] = d[i][1] = _mm256_setzero_si256();

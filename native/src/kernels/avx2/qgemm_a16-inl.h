@@ -75,7 +75,7 @@ inline void gemm_a16_tile(int64_t K, const Int16Rows& a, int i0, const uint8_t* 
   for (int64_t gi = 0; gi < groups; ++gi) {
     const uint8_t* w = panel + gi * gbytes;
     for (int64_t off = 0; ahead > 0 && off < gbytes; off += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(w) + ahead + off, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w) + ahead + off, _MM_HINT_T1);
     __m256i d[kRows][2];
     for (int i = 0; i < kRows; ++i) d[i][0] = d[i][1] = _mm256_setzero_si256();
     const int16_t* x[kRows];
