@@ -57,9 +57,18 @@ int64_t runqueue_ns(pid_t tid) {
 
 // A cursor's word: the step's sequence number (low 24 bits), its units and the next unit.
 constexpr int kUnitBits = 20;
-constexpr uint64_t kSeqMask = (uint64_t{1} << 24) - 1;
+constexpr uint64_t kSeqMask = (uint64_t{1} << 24) - 1, kUnitMask = (uint64_t{1} << kUnitBits) - 1;
+uint64_t step_seq(uint64_t step) {
+  return (step >> 2) & kSeqMask;
+}
 uint64_t cursor_word(uint64_t step, int64_t units) {
-  return ((step >> 2) & kSeqMask) << (2 * kUnitBits) | static_cast<uint64_t>(units) << kUnitBits;
+  return step_seq(step) << (2 * kUnitBits) | static_cast<uint64_t>(units) << kUnitBits;
+}
+struct CursorFields {
+  uint64_t seq, units, next;
+};
+CursorFields cursor_fields(uint64_t word) {
+  return {word >> (2 * kUnitBits), (word >> kUnitBits) & kUnitMask, word & kUnitMask};
 }
 
 // An all-worker task: one step, run once by every worker.
@@ -247,21 +256,18 @@ void Runner::finish_task() {
 }
 
 bool Runner::units_left(int pool, uint64_t step) const {
-  const uint64_t w = cursors_[pool].word.load(std::memory_order_seq_cst),
-                 mask = (uint64_t{1} << kUnitBits) - 1;
-  return (w >> (2 * kUnitBits)) == ((step >> 2) & kSeqMask) && (w & mask) < ((w >> kUnitBits) & mask);
+  const CursorFields f = cursor_fields(cursors_[pool].word.load(std::memory_order_seq_cst));
+  return f.seq == step_seq(step) && f.next < f.units;
 }
 
 bool Runner::claim(int tid, uint64_t step, int64_t& unit) {
   Cursor& c = cursors_[(step & 3) == kPool ? contexts_[tid].pool : num_pools()];
   uint64_t w = c.word.load(std::memory_order_acquire);
-  const uint64_t mask = (uint64_t{1} << kUnitBits) - 1;
   for (;;) {
-    if ((w >> (2 * kUnitBits)) != ((step >> 2) & kSeqMask)) return false;  // another step's
-    const uint64_t units = (w >> kUnitBits) & mask, next = w & mask;
-    if (next >= units) return false;
+    const CursorFields f = cursor_fields(w);
+    if (f.seq != step_seq(step) || f.next >= f.units) return false;  // another step's, or all taken
     if (c.word.compare_exchange_weak(w, w + 1, std::memory_order_acq_rel, std::memory_order_acquire)) {
-      unit = static_cast<int64_t>(next);
+      unit = static_cast<int64_t>(f.next);
       return true;
     }
   }
@@ -287,45 +293,22 @@ void Runner::wait_for_step(int tid, uint64_t step) {
   // restores it too).
   restore_if_pulled(tid);
   auto moved = [&] { return step_.load(std::memory_order_acquire) != step; };
-  auto sleep = [&](const timespec* timeout) {
-    step_sleepers_.fetch_add(1, std::memory_order_seq_cst);  // before the futex's look at the word
-    futex_wait(step_futex_, static_cast<uint32_t>(step), timeout);
-    step_sleepers_.fetch_sub(1, std::memory_order_relaxed);
-  };
   if ((step & 3) == kIdle) {
     if (spin_until(moved, spin_microseconds())) return;
-    while (!moved()) sleep(nullptr);
+    while (!moved()) futex_sleep(step_futex_, static_cast<uint32_t>(step), step_sleepers_, nullptr);
     return;
   }
-  // Every unit is taken: spin briefly, yield, then sleep; a long wait pulls the workers still in
-  // the step (holding a unit; in an each-worker step, not done with it).
-  for (int i = 0; i < 256 + 64; ++i) {
-    if (moved()) return;
-    if (i < 256)
-      _mm_pause();
-    else
-      sched_yield();
-  }
-  using Clock = std::chrono::steady_clock;
-  const auto long_wait = Clock::now() + std::chrono::microseconds(SpinBarrier::kLongWaitUs);
-  bool pulled = false;
-  while (!moved()) {
-    timespec left{};
-    if (!pulled) {
-      const auto now = Clock::now();
-      if (now >= long_wait) {
-        pull_laggards(tid, [&](int w) {
-          return in_step_[w].load(std::memory_order_seq_cst) == step ||
-                 ((step & 3) == kEach && each_done_[w].load(std::memory_order_seq_cst) != step) ||
-                 ((step & 3) == kPool && units_left(contexts_[w].pool, step));
-        });
-        pulled = true;
-        continue;
-      }
-      left.tv_nsec = std::chrono::duration_cast<std::chrono::nanoseconds>(long_wait - now).count();
-    }
-    sleep(pulled ? nullptr : &left);
-  }
+  // Every unit is taken: a long wait pulls the workers still in the step (holding a unit; in an
+  // each-worker step, not done with it; in a pool's step, idle while it has units left).
+  auto pull = [&] {
+    pull_laggards(tid, [&](int w) {
+      return in_step_[w].load(std::memory_order_seq_cst) == step ||
+             ((step & 3) == kEach && each_done_[w].load(std::memory_order_seq_cst) != step) ||
+             ((step & 3) == kPool && units_left(contexts_[w].pool, step));
+    });
+  };
+  spin_then_sleep(step_futex_, static_cast<uint32_t>(step), step_sleepers_, SpinBarrier::kLongWaitUs, moved,
+                  &pull);
 }
 
 void Runner::wait_for_completions(std::unique_lock<std::mutex>& lock, uint64_t target) {
