@@ -421,8 +421,7 @@ void MoeLayer::route(const Chunk& chunk) {
         ps.ready_size = ws.active.size();
       }
       for (size_t a = 0; a < ws.active.size(); ++a) ps.ready[a].store(0, std::memory_order_relaxed);
-      ps.stage_done[0].store(0, std::memory_order_relaxed),
-          ps.stage_done[1].store(0, std::memory_order_relaxed);
+      for (int stage = 0; stage < 2; ++stage) ps.stage_done[stage].store(0, std::memory_order_relaxed);
     }
     ws.bad_routing = false;
   });
