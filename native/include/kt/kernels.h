@@ -116,9 +116,9 @@ int64_t weight_prefetch_bytes();
 // weight_prefetch_bytes() in whole groups of `gbytes` (rounded up), 0 for none. On Sapphire Rapids
 // the hardware prefetcher alone left INT4 decode at 60% of the read bandwidth, and 4 KiB ahead beat
 // 8 groups of INT8 (8.4 KiB per panel, past L1) by 5-9% (both measured with four panels per pass).
-// The AVX-512 quantized kernels prefetch into L2 (prefetcht1): on Emerald Rapids, Qwen3 layer at
-// 1-16 tokens, 2 threads, INT4 decode ran 1.11-1.17x faster than with prefetcht0 and INT8 1.03-1.07x;
-// BF16's kernel (0.97x) and the AVX2 kernels (1.00x) keep prefetcht0.
+// The AVX-512 and AVX2 quantized kernels prefetch into L2 (prefetcht1): on Emerald Rapids, Qwen3
+// layer at 1-16 tokens, 2 threads, AVX-512 INT4 decode ran 1.11-1.17x faster than with prefetcht0
+// and INT8 1.03-1.07x (AVX2, Q4_K GGUF: 1.08-1.13x); BF16's kernel (0.97x) keeps prefetcht0.
 inline int64_t prefetch_distance(int64_t gbytes) {
   return (weight_prefetch_bytes() + gbytes - 1) / gbytes * gbytes;
 }
