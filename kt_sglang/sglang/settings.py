@@ -306,7 +306,8 @@ def check_against_model(settings: KtSettings, model_path: str) -> None:
     from kt_sglang.placement import PlacementStats
     from kt_sglang.weights.canonical_files import MANIFEST, Manifest, is_canonical_dir, verify_files
     from kt_sglang.weights.checkpoint import open_checkpoint
-    from kt_sglang.weights.gguf import is_gguf, open_gguf
+    from kt_sglang.weights.gguf import open_gguf
+    from kt_sglang.weights.source import is_gguf
 
     path = Path(settings.weight_path)
     gguf = settings.method in FILE_METHODS

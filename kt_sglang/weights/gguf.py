@@ -35,12 +35,6 @@ _GATE_UP = "blk.{layer}.ffn_gate_up_exps.weight"  # gate rows, then up rows
 _ACTIVATIONS = {"gpt-oss": Glu("swiglu_oai", 7.0, 1.702)}
 
 
-def is_gguf(path: str | Path) -> bool:
-    """Whether ``path`` is a ``.gguf`` file or a directory holding some."""
-    p = Path(path)
-    return p.suffix == ".gguf" if not p.is_dir() else any(p.glob("*.gguf"))
-
-
 def _gguf_files(path: Path) -> list[Path]:
     """The files of the model at ``path``: the file itself with its split siblings, or the one model
     a directory holds."""

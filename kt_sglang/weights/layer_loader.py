@@ -16,8 +16,7 @@ from kt_sglang.engine.methods import METHODS
 from kt_sglang.weights import formats, packed_files
 from kt_sglang.weights.canonical_files import MANIFEST, Manifest, is_canonical_dir, read_layer
 from kt_sglang.weights.checkpoint import open_checkpoint
-from kt_sglang.weights.gguf import is_gguf, open_gguf
-from kt_sglang.weights.source import CheckpointError
+from kt_sglang.weights.source import CheckpointError, is_gguf
 
 if TYPE_CHECKING:
     from kt_sglang.engine.wrapper import KTMoEWrapper
@@ -142,6 +141,8 @@ def _load_gguf(layer: KTMoEWrapper, physical_to_logical_map) -> None:
             f"{layer.weight_path}: LLAMAFILE computes the GGUF file's values as they are; an expert "
             "adapter is merged into dense weights before quantizing: use a method the engine quantizes to"
         )
+    from kt_sglang.weights.gguf import open_gguf  # the gguf package, where a GGUF model loads
+
     model = open_gguf(layer.weight_path)
     if model.activation() != layer.activation:
         raise CheckpointError(
@@ -225,6 +226,8 @@ def checkpoint_activation(weight_path: str) -> Glu:
     converted directory, which records none, or a path load_weights will report on)."""
 
     if is_gguf(weight_path):
+        from kt_sglang.weights.gguf import open_gguf
+
         try:
             return open_gguf(weight_path).activation()
         except (CheckpointError, OSError, ValueError):

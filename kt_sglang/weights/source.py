@@ -201,3 +201,9 @@ class TensorSource:
     def where(self, name: str) -> str:
         """``name in <its shard>`` for messages (the name alone when the checkpoint lacks it)."""
         return f"{name} in {self._files[name].name}" if name in self._files else name
+
+
+def is_gguf(path: str | Path) -> bool:
+    """Whether ``path`` is a ``.gguf`` file or a directory holding some."""
+    p = Path(path)
+    return p.suffix == ".gguf" if not p.is_dir() else any(p.glob("*.gguf"))
