@@ -19,7 +19,10 @@ Per configuration: the step's median time, tokens/s, and the speedup of each def
 to which deferral pays (`--kt-deferral-max-batch`);
 per batch and hot share, the GPU part alone (the step without the engine), the CPU part alone (the
 engine's cold experts of the same routing) and their overlap,
-(gpu + cpu - step) / min(gpu, cpu): 1 when the shorter part hides entirely, 0 when they take turns.
+(gpu + cpu - step) / min(gpu, cpu): 1 when the shorter part hides entirely, 0 when they take turns,
+and the synchronization cost per layer, (step - gpu - cpu) / layers: what the step costs beyond its
+parts run one after the other (at 0% hot, where the parts cannot overlap, the cost of handing each
+layer's work between the GPU stream and the engine).
 On the CPU device both parts share the cores and run in turn; CI runs it there as a smoke test.
 """
 
@@ -313,6 +316,7 @@ def main() -> None:
                     parts.append({
                         "batch": batch, "hot_fraction": hot, "step_ms": step0 * 1e3, "gpu_ms": gpu * 1e3,
                         "cpu_ms": cpu * 1e3, "overlap": (gpu + cpu - step0) / min(gpu, cpu),
+                        "sync_ms_per_layer": (step0 - gpu - cpu) / args.layers * 1e3,
                     })  # fmt: skip
         del dense
         KTMoEWrapper.set_capture_batch_sizes([])
@@ -339,9 +343,9 @@ def main() -> None:
     print(
         "| batch | hot | "
         + " | ".join(f"deferral {d}: ms (x)" for d in defs)
-        + " | GPU part | CPU part | overlap |"
+        + " | GPU part | CPU part | overlap | sync per layer |"
     )
-    print("|---|---|" + "---|" * (len(defs) + 3))
+    print("|---|---|" + "---|" * (len(defs) + 4))
     for part in parts:
         cells = [
             f"{r['step_ms']:.2f} ({r['speedup']:.2f})"
@@ -350,7 +354,8 @@ def main() -> None:
         ]
         print(
             f"| {part['batch']} | {part['hot_fraction'] * 100:.0f}% | " + " | ".join(cells)
-            + f" | {part['gpu_ms']:.2f} | {part['cpu_ms']:.2f} | {part['overlap']:.2f} |"
+            + f" | {part['gpu_ms']:.2f} | {part['cpu_ms']:.2f} | {part['overlap']:.2f}"
+            + f" | {part['sync_ms_per_layer']:.3f} |"
         )  # fmt: skip
     pays = ", ".join(f"{float(h) * 100:.0f}% hot: {b}" for h, b in result["deferral_pays_up_to"].items())
     print(f"deferral pays (x1.02 or more) up to batch: {pays}")

@@ -42,6 +42,7 @@ def test_doctor_reports_machine():
     assert "torch" in r.stdout and "sglang" in r.stdout and "GPU:" in r.stdout
     driver = "CUDA driver: found" if _native.cuda_host_launch_available() else "CUDA driver: no CUDA driver"
     assert driver in r.stdout and "llmcompressor" in r.stdout
+    assert f"stream signal: {_native.stream_signal()}" in r.stdout
     ahead = _native.weight_prefetch_bytes()
     assert "decode weight prefetch: " + (f"{ahead} bytes ahead" if ahead else "off") in r.stdout
 

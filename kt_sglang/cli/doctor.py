@@ -197,9 +197,11 @@ def run_doctor(model: str | None = None, method: str = "AMXINT4") -> int:
     except Exception as exc:  # a broken CUDA install should not hide the rest of the report
         advice.append(f"torch could not query CUDA: {exc}")
     if _native.cuda_host_launch_available():
-        print("CUDA driver: found (the engine's submit and sync run as host functions on CUDA streams)")
+        print("CUDA driver: found")
     else:
-        print(f"CUDA driver: {_native.cuda_host_launch_status()} (the engine is called directly)")
+        print(f"CUDA driver: {_native.cuda_host_launch_status()}")
+    # How a CUDA stream hands a layer to the engine and waits for it (docs/hybrid-layer.md).
+    print(f"stream signal: {_native.stream_signal_status()}")
     triton_version = _package_version("triton")
     print(f"triton {triton_version or 'not installed'} (split and hot-expert kernels on CUDA)")
     llmcompressor_version = _package_version("llmcompressor")

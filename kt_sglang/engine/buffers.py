@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kt_sglang.engine.native import _native
+
 
 def _pin(t: torch.Tensor) -> torch.Tensor:
     return t.pin_memory() if torch.cuda.is_available() else t
@@ -25,6 +27,9 @@ class HostBuffers:
     weights: torch.Tensor  # fp32 [T, k]
     out: torch.Tensor  # bf16 or fp32 [T, H] (the layer's output_dtype)
     tokens: torch.Tensor  # int32 [1]: the batch size the task reads when it runs
+    # int32 [StreamForward.SIGNAL_WORDS]: the words a CUDA stream and the engine hand the task over
+    # with (ready: the inputs are in; done: the output is), on cache lines of their own
+    signal: torch.Tensor
     stream_forward: object | None = None  # _native.StreamForward over these buffers, made on first use
 
     @classmethod
@@ -35,6 +40,7 @@ class HostBuffers:
             _pin(torch.zeros(tokens, top_k, dtype=torch.float32)),
             _pin(torch.zeros(tokens, hidden, dtype=out_dtype)),
             _pin(torch.zeros(1, dtype=torch.int32)),
+            _pin(torch.zeros(_native.StreamForward.SIGNAL_WORDS, dtype=torch.int32)),
         )
 
     @property

@@ -111,10 +111,12 @@ class InferenceMoEWrapper(BaseMoEWrapper):
 
         With ``cuda_stream`` (the current CUDA stream, as ``torch.cuda.Stream`` or its handle) every
         step is ordered on that stream and nothing waits on the host: the device-to-host copies,
-        then a host function that enqueues the layer, reading the batch size from pinned memory when
-        it runs. ``num_tokens`` (an int32 tensor ``[1]`` on the inputs' device) is that batch size,
-        all rows by default: a CUDA graph captured at one size replays for fewer tokens when the
-        caller writes the count there. Without a CUDA driver the same path runs synchronously.
+        then the hand-over to the engine (a write of the buffers' `ready` word that the engine's
+        signal thread sees, or a host function where the driver lacks stream memory operations:
+        docs/hybrid-layer.md), the batch size read from pinned memory when the forward runs.
+        ``num_tokens`` (an int32 tensor ``[1]`` on the inputs' device) is that batch size, all rows
+        by default: a CUDA graph captured at one size replays for fewer tokens when the caller
+        writes the count there. Without a CUDA driver the same path runs synchronously.
         """
         if deferred in self._pending:
             raise RuntimeError(f"layer {self.layer_idx}: submit_forward called twice without sync_forward")
@@ -197,6 +199,7 @@ class InferenceMoEWrapper(BaseMoEWrapper):
                 self._mask_ptr(),
                 buf.out.data_ptr(),
                 buf.out.dtype == torch.float32,
+                buf.signal.data_ptr(),
             )
         return buf.stream_forward
 

@@ -8,8 +8,9 @@ most the one pending deferred task; a layer that is not its producer's successor
 pass) drains it and drops it.
 
 On CUDA the split and the hot experts run as Triton kernels and the CPU engine's submit and sync
-are host functions on the current stream: a forward never waits on the host, so a whole step with
-CPU experts and deferral can be captured in one CUDA graph. On the CPU device the same code runs
+are ordered on the current stream (stream memory operations on pinned words, or host functions where
+the driver lacks them): a forward never waits on the host, so a whole step with CPU experts and
+deferral can be captured in one CUDA graph. On the CPU device the same code runs
 the torch twins and the engine directly.
 """
 

@@ -425,10 +425,32 @@ PYBIND11_MODULE(_native, m) {
       "Raises ValueError naming the first id of a contiguous [tokens, top_k] tensor outside [-1, E).");
   m.def("cuda_host_launch_available", &cuda_host_launch_available);
   m.def("cuda_host_launch_status", &cuda_host_launch_status);
+  m.def(
+      "stream_signal",
+      [] {
+        switch (stream_signal()) {
+          case StreamSignal::kMemoryOps:
+            return "memops";
+          case StreamSignal::kHostFunctions:
+            return "host-functions";
+          case StreamSignal::kNone:
+            break;
+        }
+        return "none";
+      },
+      "How a CUDA stream hands work to the engine: memops, host-functions or none (no driver).");
+  m.def("stream_signal_status", &stream_signal_status);
+  m.def(
+      "signal_thread_stats",
+      [] {
+        const SignalThreadStats s = signal_thread_stats();
+        return py::dict(py::arg("armed") = s.armed, py::arg("forwards") = s.forwards);
+      },
+      "The signal thread's armed StreamForwards and the forwards they ran.");
   py::class_<StreamForward>(m, "StreamForward")
       .def(py::init([](MoeLayer& layer, std::shared_ptr<Runner> runner, uintptr_t tokens_ptr,
                        int64_t max_tokens, uintptr_t hidden, uintptr_t ids, bool ids_int64, uintptr_t weights,
-                       uintptr_t mask, uintptr_t out, bool out_fp32) {
+                       uintptr_t mask, uintptr_t out, bool out_fp32, uintptr_t signal_words) {
              ForwardArgs a;
              a.tokens_ptr = ptr<const int32_t>(tokens_ptr), a.max_tokens = max_tokens;
              a.hidden = ptr<const uint16_t>(hidden), a.expert_ids = ptr<const void>(ids);
@@ -438,14 +460,20 @@ PYBIND11_MODULE(_native, m) {
                a.out_f32 = ptr<float>(out);
              else
                a.out = ptr<uint16_t>(out);
-             return std::make_unique<StreamForward>(layer, std::move(runner), a);
+             return std::make_unique<StreamForward>(layer, std::move(runner), a, ptr<uint32_t>(signal_words));
            }),
            py::arg("layer"), py::arg("runner"), py::arg("tokens_ptr"), py::arg("max_tokens"),
            py::arg("hidden"), py::arg("ids"), py::arg("ids_int64"), py::arg("weights"), py::arg("mask"),
-           py::arg("out"), py::arg("out_fp32") = false, py::keep_alive<1, 2>())
+           py::arg("out"), py::arg("out_fp32") = false, py::arg("signal_words") = 0, py::keep_alive<1, 2>(),
+           "signal_words: StreamForward.SIGNAL_WORDS zeroed uint32 of pinned memory (0: host functions only)")
+      .def_readonly_static("SIGNAL_WORDS", &StreamForward::kSignalWords)
+      .def_readonly_static("READY", &StreamForward::kReady)
+      .def_readonly_static("DONE", &StreamForward::kDone)
       .def("submit", &StreamForward::submit, py::arg("stream"), py::call_guard<py::gil_scoped_release>())
       .def("sync", &StreamForward::sync, py::arg("stream"), py::call_guard<py::gil_scoped_release>())
-      .def("check", &StreamForward::check);
+      .def("check", &StreamForward::check)
+      .def("arm", &StreamForward::arm, "The signal thread watches the ready word from now on.")
+      .def_property_readonly("signalled_forwards", &StreamForward::signalled_forwards);
 
   py::class_<SftSavedHandle>(m, "SftSaved")
       .def(py::init<>())

@@ -3,6 +3,7 @@
 #include <sched.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
@@ -192,6 +193,41 @@ class MoeLayer::ForwardTask final : public StepTask {
   }
 
   bool next_step(StepShape& shape) override {
+    if (advance(shape)) return true;
+    // The stream waiting on this word reads the output next (the task's end, failed or not).
+    if (args_.done_flag) std::atomic_ref<uint32_t>(*args_.done_flag).store(1, std::memory_order_release);
+    return false;
+  }
+
+  void run_unit(int64_t unit, const WorkerContext& ctx) override {
+    switch (step_) {
+      case Step::kStart:
+        started_ = layer_.start(chunk_);
+        break;
+      case Step::kRoute:
+        layer_.route(chunk_);
+        break;
+      case Step::kGather: {
+        const int64_t t0 = unit * plan_.tokens_per_unit;
+        layer_.gather_tokens(chunk_, t0, std::min(chunk_.Tc, t0 + plan_.tokens_per_unit));
+        break;
+      }
+      case Step::kExperts:
+        run_experts_unit(unit, ctx);
+        break;
+      case Step::kCombine:
+        layer_.combine_item(chunk_, plan_, unit);
+        break;
+      case Step::kNone:
+        break;
+    }
+  }
+
+ private:
+  enum class Step { kNone, kStart, kRoute, kGather, kExperts, kCombine };
+
+  // The next step's shape; false when the task is done.
+  bool advance(StepShape& shape) {
     MoeWorkspace& ws = *layer_.workspace_;
     auto any = [&](int64_t units) {
       shape.kind = StepShape::Kind::kAnyWorker;
@@ -231,33 +267,6 @@ class MoeLayer::ForwardTask final : public StepTask {
     step_ = Step::kCombine;
     return any(plan_.combine_units);
   }
-
-  void run_unit(int64_t unit, const WorkerContext& ctx) override {
-    switch (step_) {
-      case Step::kStart:
-        started_ = layer_.start(chunk_);
-        break;
-      case Step::kRoute:
-        layer_.route(chunk_);
-        break;
-      case Step::kGather: {
-        const int64_t t0 = unit * plan_.tokens_per_unit;
-        layer_.gather_tokens(chunk_, t0, std::min(chunk_.Tc, t0 + plan_.tokens_per_unit));
-        break;
-      }
-      case Step::kExperts:
-        run_experts_unit(unit, ctx);
-        break;
-      case Step::kCombine:
-        layer_.combine_item(chunk_, plan_, unit);
-        break;
-      case Step::kNone:
-        break;
-    }
-  }
-
- private:
-  enum class Step { kNone, kStart, kRoute, kGather, kExperts, kCombine };
 
   // A pool's units of the experts step, taken in order: its gate/up items, then (large chunks of
   // int8_h methods) its int8 h blocks, then its down units. Each waits only for what it reads, in

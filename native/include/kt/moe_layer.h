@@ -63,6 +63,7 @@ struct ForwardArgs {
   float* out_f32 = nullptr;         // instead of out: fp32 [tokens, hidden], for callers that add
                                     // other partial sums and round once (the hybrid layer)
   bool incremental = false;         // add to out instead of writing it
+  uint32_t* done_flag = nullptr;    // set to 1 (release) when the task ends, its output written
 };
 
 // Throws std::invalid_argument naming the first id of `ids` [tokens, top_k] outside

@@ -120,6 +120,8 @@ class Runner {
   // Submits and waits for this one task (and those before it).
   void run(Task task);
   int64_t pending() const;
+  // Whether task `id` (and so every task before it) finished; never blocks.
+  bool finished(uint64_t id) const { return completed_.load(std::memory_order_acquire) >= id; }
 
   // Called by tasks to report a failure; the first one surfaces at sync().
   void record_error(std::exception_ptr error);
