@@ -1,11 +1,16 @@
 """The hybrid layer on a CUDA device: Triton split and hot experts, the CPU engine's submit and sync
-as host functions on a non-default stream, a CUDA graph of a whole step with deferral replayed at
-the captured size and a smaller one, and the overlap of the two parts. Skipped without a GPU."""
+ordered on a non-default stream (stream memory operations, and host functions as the fallback), a
+CUDA graph of a whole step with deferral replayed at the captured size and a smaller one, and the
+overlap of the two parts. Skipped without a GPU."""
 
 from __future__ import annotations
 
+import os
 import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -45,6 +50,30 @@ def cuda_inputs(x, routes):
 
 def test_host_launch_uses_the_driver():
     assert _native.cuda_host_launch_available(), _native.cuda_host_launch_status()
+
+
+def test_stream_hand_over_uses_memory_operations():
+    """The driver's stream memory operations, probed on the device eagerly and under graph capture."""
+    from kt_sglang.engine.stream_signal import stream_signal
+
+    if os.environ.get("KT_SGLANG_STREAM_SIGNAL") == "host":
+        pytest.skip("KT_SGLANG_STREAM_SIGNAL=host asks for host functions")
+    assert stream_signal() == "memops", _native.stream_signal_status()
+
+
+def test_host_function_fallback(tmp_path):
+    """The stack and the graph tests again with host functions (KT_SGLANG_STREAM_SIGNAL=host)."""
+    if os.environ.get("KT_SGLANG_STREAM_SIGNAL") == "host":
+        pytest.skip("already the fallback run")
+    test = Path(__file__).resolve()
+    r = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(test), "-k",
+         "side_stream_matches or graph_of_a_step"],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path,
+        env={**os.environ, "KT_SGLANG_STREAM_SIGNAL": "host"},
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert " passed" in r.stdout and "failed" not in r.stdout, r.stdout[-1000:]
 
 
 @pytest.mark.parametrize("max_deferred", [0, 1, 3])

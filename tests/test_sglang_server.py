@@ -167,6 +167,24 @@ def test_qwen3_moe_server_equals_standalone_stack(qwen, method, hot, deferred, t
     print(f"{method} hot={hot} deferred={deferred}: {same}/{len(hf_prompts)} continuations as float32 HF")
 
 
+def test_qwen3_moe_gpu_prefill_keeps_the_greedy_ids(qwen, tmp_path):
+    """--kt-gpu-prefill-token-threshold 16 on the CPU device (the streaming path's torch twins):
+    prompts of 8 / 64 / 390 tokens, the last in chunks of 128 whose tail of 6 tokens falls below the
+    threshold, give the ids of the same server without the flag."""
+    from transformers import AutoConfig
+
+    model_dir, _ = qwen
+    vocab = AutoConfig.from_pretrained(model_dir).vocab_size
+    gen = torch.Generator().manual_seed(1)
+    prompts = [(torch.randint(3, vocab, (n,), generator=gen).tolist(), None) for n in (8, 64, 390)]
+    base = _kt(model_dir, "BF16", 2) + ["--chunked-prefill-size", "128"]
+    engine, _ = _serve_and_generate(model_dir, base, prompts, tmp_path / "engine.log")
+    args = base + ["--kt-gpu-prefill-token-threshold", "16"]
+    streamed, log = _serve_and_generate(model_dir, args, prompts, tmp_path / "streamed.log")
+    assert "GPU prefill from 16 tokens" in log
+    assert streamed == engine
+
+
 def _expert_weights(model_dir: Path):
     """The tiny model's expert matrices [N, K] (float32) by tensor name."""
     from safetensors import safe_open
@@ -388,6 +406,14 @@ def _launch_error(args: list[str]) -> subprocess.CompletedProcess:
         (["--kt-expert-placement-strategy", "frequency"], "frequency needs --kt-placement-stats"),
         (["--kt-numa-nodes", "7"], "--kt-numa-nodes names node(s) [7] that this machine lacks"),
         (["--kt-cpuinfer", "0"], "--kt-cpuinfer 0: this machine has"),
+        (
+            ["--kt-gpu-prefill-token-threshold", "many"],
+            "--kt-gpu-prefill-token-threshold 'many': give a number",
+        ),
+        (
+            ["--kt-gpu-prefill-buffer-gib", "1"],
+            "--kt-gpu-prefill-buffer-gib needs --kt-gpu-prefill-token-threshold",
+        ),
         (
             ["--kt-expert-lora-path", "/nonexistent"],
             "--kt-expert-lora-path: /nonexistent is not a PEFT adapter",

@@ -201,6 +201,12 @@ def run_doctor(model: str | None = None, method: str = "AMXINT4") -> int:
     else:
         print(f"CUDA driver: {_native.cuda_host_launch_status()}")
     # How a CUDA stream hands a layer to the engine and waits for it (docs/hybrid-layer.md).
+    from kt_sglang.engine.stream_signal import stream_signal
+
+    try:
+        stream_signal()  # on a GPU: the memory operations probed
+    except Exception as exc:  # a broken CUDA install should not hide the rest of the report
+        advice.append(f"the stream hand-over could not be probed: {exc}")
     print(f"stream signal: {_native.stream_signal_status()}")
     triton_version = _package_version("triton")
     print(f"triton {triton_version or 'not installed'} (split and hot-expert kernels on CUDA)")

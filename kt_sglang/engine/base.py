@@ -227,6 +227,10 @@ class BaseMoEWrapper:
         self._biases = rows  # kept alive: the engine copies them, the reference may read them
         self._layer.load_biases(*(0 if r is None else r.data_ptr() for r in rows))
 
+    def has_biases(self) -> bool:
+        """Whether expert biases were loaded (load_biases)."""
+        return any(r is not None for r in getattr(self, "_biases", ()))
+
     def load_weights(self, physical_to_logical_map: torch.Tensor | list[int] | None = None) -> None:
         """Loads this layer's experts from ``weight_path``: a canonical directory written by
         ``kt-sglang convert-cpu``, or the Hugging Face checkpoint itself (bf16 / fp16 / fp32, FP8,
@@ -267,6 +271,13 @@ class BaseMoEWrapper:
     @property
     def packed_bytes(self) -> int:
         return self._layer.packed_bytes
+
+    def packed_view(self) -> dict:
+        """Where this layer's packed weights are (kt_sglang/kernels/packed.py decodes them): per pool
+        its intermediate slice, the addresses of its gate/up and down bytes and their size per
+        expert (expert e at ``address + storage[e] * bytes``; ``storage[e]`` -1: not held), the
+        padded hidden size and the gate/up block. Valid while the layer lives."""
+        return self._layer.packed_view()
 
     # The packed file layout (weights/packed_files.py): one expert's packed weights as one pool over
     # the whole intermediate dimension holds them.

@@ -9,6 +9,7 @@ from kt_sglang.engine.base import BaseMoEWrapper, contiguous_as
 from kt_sglang.engine.buffers import BufferSet, HostBuffers
 from kt_sglang.engine.config import MoEConfig
 from kt_sglang.engine.native import _native
+from kt_sglang.engine.stream_signal import stream_signal
 
 
 class InferenceMoEWrapper(BaseMoEWrapper):
@@ -22,6 +23,7 @@ class InferenceMoEWrapper(BaseMoEWrapper):
         # Per submission stream: buffers, rows, whether cuda_stream was given, its CUDA handle.
         self._pending: dict[bool, tuple[HostBuffers, int, bool, int | None]] = {}
         super().__init__(config)
+        stream_signal()  # on a GPU, the stream hand-over is probed here, before any graph capture
         # Two submission streams: the layer's immediate experts and its deferred ones (which run
         # while the next layer computes), each with its own buffers and at most one pending task.
         self._sets = self._new_buffer_sets()

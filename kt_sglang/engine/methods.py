@@ -72,6 +72,8 @@ class MethodInfo:
     int8_activations: bool
     int8_h: bool  # the down projection reads h quantized to int8 (else bf16)
     weight_bits: int
+    scale_bytes: int  # packed scale bytes per channel and group
+    scale_extra_bytes: int  # packed bytes per group after the channels' scales (NVFP4's global)
     quantizes_dense: bool  # the engine quantizes bf16/fp16/fp32 weights to it
     weight_zero: int  # the stored weight that stands for 0 where no mins/zeros tensor says (RAWINT4: 8)
     weight_codes: str | None  # "e2m1": the packed weights are float4 codes, not integers
@@ -94,6 +96,8 @@ METHODS: dict[Method, MethodInfo] = {
         row["int8_activations"],
         row["int8_h"],
         row["weight_bits"],
+        row["scale_bytes"],
+        row["scale_extra_bytes"],
         row["quantizes_dense"],
         row["weight_zero"],
         row["weight_codes"],

@@ -3,5 +3,6 @@
 from __future__ import annotations
 
 from kt_sglang.layer.hybrid import DeferralChain, HybridMoELayer
+from kt_sglang.layer.prefill import GpuPrefill
 
-__all__ = ["DeferralChain", "HybridMoELayer"]
+__all__ = ["DeferralChain", "GpuPrefill", "HybridMoELayer"]

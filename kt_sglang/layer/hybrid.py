@@ -22,6 +22,7 @@ import torch
 
 from kt_sglang.engine.inference import InferenceMoEWrapper
 from kt_sglang.kernels import hot_moe, split_routing
+from kt_sglang.layer.prefill import GpuPrefill, PackedExperts
 
 # hidden [T, H], slot_ids [T, k] (GPU slot of each hot selection, -1 elsewhere), weights [T, k]
 # -> fp32 [T, H]
@@ -98,11 +99,16 @@ class HybridMoELayer(torch.nn.Module):
         # The engine's partial sums stay fp32 until they meet the hot ones: one rounding per layer.
         experts.output_dtype = torch.float32
         self.register_buffer("gpu_slot_of", gpu_slot_of.to(torch.int64), persistent=False)
+        # On the host too: which experts a streamed prefill leaves out (reading the device's would sync)
+        self.hot_experts = frozenset(int(e) for e in (gpu_slot_of >= 0).nonzero().flatten().tolist())
         self.w13, self.w2 = w13, w2
         self.chain = chain
         self.max_deferred = max_deferred_experts_per_token
         self.deferral_max_tokens = deferral_max_tokens
         self.next_moe: HybridMoELayer | None = None  # set by link()
+        # Long prompts' cold experts streamed to the GPU (enable_gpu_prefill); None: the engine's.
+        self.prefill: GpuPrefill | None = None
+        self.prefill_source: PackedExperts | None = None
 
     @staticmethod
     def link(layers: list[HybridMoELayer]) -> None:
@@ -111,6 +117,18 @@ class HybridMoELayer(torch.nn.Module):
             a.next_moe = b
         if layers:
             layers[-1].next_moe = None
+
+    @staticmethod
+    def enable_gpu_prefill(layers: list[HybridMoELayer], prefill: GpuPrefill) -> None:
+        """Forwards of at least ``prefill.threshold`` tokens compute these layers' cold experts by
+        streaming them to ``prefill.device`` (kt_sglang/layer/prefill.py)."""
+        for layer in layers:
+            layer.prefill = prefill
+            layer.prefill_source = prefill.add_layer(layer.experts)
+
+    def _streams(self, tokens: int) -> bool:
+        prefill = self.prefill
+        return prefill is not None and tokens >= prefill.threshold and prefill.usable(self.prefill_source)
 
     def hot_forward(
         self, hidden: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor
@@ -130,6 +148,8 @@ class HybridMoELayer(torch.nn.Module):
         default; under a CUDA graph captured at a larger size, the replay's real batch size.
         ``hot(hidden, slot_ids, weights)``: the hot experts' fp32 output (a serving framework's own
         GPU kernels: the SGLang plugin passes SGLang's MoE method), `hot_forward` by default."""
+        if self._streams(hidden.shape[0]):
+            return self._streamed_forward(hidden, topk_ids, topk_weights, hot)
         stream = _stream_of(hidden)
         self.chain.drop_stale(self, hidden)  # before our own deferred submission reuses the buffers
         defers = self.next_moe is not None and (
@@ -151,4 +171,26 @@ class HybridMoELayer(torch.nn.Module):
             out += previous
         if defer:
             self.chain.put(self)
+        return out.to(hidden.dtype)
+
+    def _streamed_forward(
+        self,
+        hidden: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        hot: HotExperts | None,
+    ) -> torch.Tensor:
+        """A long chunk: the cold experts streamed to the GPU and computed there, nothing deferred;
+        the next MoE layer's experts start moving while these compute."""
+        self.chain.drop_stale(self, hidden)
+        split = split_routing(topk_ids, topk_weights, self.gpu_slot_of, 0)
+        nxt = self.next_moe
+        following = (nxt.prefill_source, nxt.hot_experts) if nxt is not None and nxt.prefill_source else None
+        out = (hot or self.hot_forward)(hidden, split.hot_ids, topk_weights)
+        out += self.prefill.forward(
+            self.prefill_source, hidden, split.cold_ids, topk_weights, self.hot_experts, following
+        )
+        previous = self.chain.take(self, hidden)
+        if previous is not None:
+            out += previous
         return out.to(hidden.dtype)

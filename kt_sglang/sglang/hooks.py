@@ -156,7 +156,10 @@ def after_load_model(result, model_runner, *args, **kwargs):
     chain = DeferralChain()  # one per model: a draft model gets its own
     for m in ours:
         m.quant_method.attach(m, chain)
-    HybridMoELayer.link([m.quant_method.hybrid for m in ours if m.quant_method.hybrid is not None])
+    hybrids = [m.quant_method.hybrid for m in ours if m.quant_method.hybrid is not None]
+    HybridMoELayer.link(hybrids)
+    if settings.gpu_prefill_threshold is not None and hybrids:
+        enable_gpu_prefill(hybrids, settings)
     hot = [m.quant_method.num_hot for m in ours]
     mapped = sum(m.quant_method.wrapper is not None and m.quant_method.wrapper.mapped for m in ours)
     logger.info(
@@ -174,6 +177,31 @@ def after_load_model(result, model_runner, *args, **kwargs):
         mapped,
     )
     return result
+
+
+def enable_gpu_prefill(layers, settings: KtSettings) -> None:
+    """Long chunks' cold experts streamed to the GPU (on the CPU device: the same path in torch)."""
+    import torch
+
+    from kt_sglang.layer import GpuPrefill, HybridMoELayer
+    from kt_sglang.layer.prefill import auto_crossover
+
+    on_cpu = os.environ.get(CPU_DEVICE_ENV_VAR) == "1" or not torch.cuda.is_available()
+    device = torch.device("cpu") if on_cpu else torch.device("cuda", torch.cuda.current_device())
+    threshold = settings.gpu_prefill_threshold
+    if threshold == "auto":
+        if on_cpu:
+            logger.info(
+                "kt-sglang: --kt-gpu-prefill-token-threshold auto: no GPU, prompts stay on the engine"
+            )
+            return
+        found = auto_crossover(layers[0].experts, layers[0].hot_experts, device)
+        logger.info("kt-sglang: %s", found.line())
+        threshold = found.threshold
+    cap = settings.gpu_prefill_buffer_gib
+    HybridMoELayer.enable_gpu_prefill(
+        layers, GpuPrefill(threshold, device, None if cap is None else int(cap * 2**30))
+    )
 
 
 def connect_cuda_graph_batch_sizes() -> None:

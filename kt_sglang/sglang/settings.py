@@ -39,6 +39,10 @@ class KtSettings:
     record_placement_stats: str | None
     expert_lora_path: str | None = None
     deferral_max_batch: int | None = None  # None: the layer's default (DEFERRAL_MAX_TOKENS)
+    # Chunks of at least this many tokens stream their cold experts to the GPU; "auto": measured at
+    # start-up; None: never (kt_sglang/layer/prefill.py)
+    gpu_prefill_threshold: int | str | None = None
+    gpu_prefill_buffer_gib: float | None = None  # cap of the streaming buffer; None: two layers
 
     def to_env(self) -> None:
         os.environ[ENV_VAR] = json.dumps(asdict(self))
@@ -93,6 +97,21 @@ def add_extra_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGrou
         default=None,
         help="the largest batch (tokens) whose cold experts are deferred; larger ones defer none "
         "(default 1: where deferral was measured to pay; bench/bench_decode_step.py measures it)",
+    )
+    parser.add_argument(
+        "--kt-gpu-prefill-token-threshold",
+        default=None,
+        metavar="N|auto",
+        help="forward chunks of at least N tokens compute their cold experts on the GPU, the experts "
+        "streamed from host memory layer by layer (kt-kernel's flag); auto: the crossover measured at "
+        "start-up from the host-to-device bandwidth and the CPU engine's prefill rate; default: off",
+    )
+    parser.add_argument(
+        "--kt-gpu-prefill-buffer-gib",
+        type=float,
+        default=None,
+        help="GPU memory for the streamed experts (default: two MoE layers' cold experts; less: each "
+        "layer passes in rounds)",
     )
     parser.add_argument(
         "--kt-record-placement-stats",
@@ -252,6 +271,14 @@ def resolve(server_args, extra: argparse.Namespace, argv: list[str]) -> KtSettin
         raise KtSettingsError(f"--kt-max-deferred-experts-per-token {deferred}: use 0 or more")
     if extra.kt_deferral_max_batch is not None and extra.kt_deferral_max_batch < 0:
         raise KtSettingsError(f"--kt-deferral-max-batch {extra.kt_deferral_max_batch}: use 0 or more")
+    prefill_threshold = parse_prefill_threshold(extra.kt_gpu_prefill_token_threshold)
+    if extra.kt_gpu_prefill_buffer_gib is not None:
+        if prefill_threshold is None:
+            raise KtSettingsError("--kt-gpu-prefill-buffer-gib needs --kt-gpu-prefill-token-threshold")
+        if not extra.kt_gpu_prefill_buffer_gib > 0:
+            raise KtSettingsError(
+                f"--kt-gpu-prefill-buffer-gib {extra.kt_gpu_prefill_buffer_gib}: use more than 0"
+            )
     if extra.kt_expert_placement_strategy == "frequency" and not extra.kt_placement_stats:
         raise KtSettingsError("--kt-expert-placement-strategy frequency needs --kt-placement-stats FILE")
     settings = KtSettings(
@@ -268,11 +295,30 @@ def resolve(server_args, extra: argparse.Namespace, argv: list[str]) -> KtSettin
         record_placement_stats=extra.kt_record_placement_stats,
         expert_lora_path=extra.kt_expert_lora_path,
         deferral_max_batch=extra.kt_deferral_max_batch,
+        gpu_prefill_threshold=prefill_threshold,
+        gpu_prefill_buffer_gib=extra.kt_gpu_prefill_buffer_gib,
     )
     check_against_model(settings, server_args.model_path)
     if settings.expert_lora_path:
         check_expert_adapter(settings)
     return settings
+
+
+def parse_prefill_threshold(value: str | None) -> int | str | None:
+    """``--kt-gpu-prefill-token-threshold``: a token count (0: off), or ``auto``."""
+    if value is None or value == "0":
+        return None
+    if value == "auto":
+        return value
+    try:
+        tokens = int(value)
+    except ValueError:
+        tokens = -1
+    if tokens < 0:
+        raise KtSettingsError(
+            f"--kt-gpu-prefill-token-threshold {value!r}: give a number of tokens (0: off) or auto"
+        )
+    return tokens
 
 
 def check_expert_adapter(settings: KtSettings) -> None:

@@ -93,6 +93,7 @@ PYBIND11_MODULE(_native, m) {
           py::arg("allowed_groups") = groups,
           py::arg("int8_activations") = t.gate_up_input == Activation::kInt8,
           py::arg("int8_h") = t.down_input == Activation::kInt8, py::arg("weight_bits") = t.weight_bits,
+          py::arg("scale_bytes") = t.scale_bytes, py::arg("scale_extra_bytes") = t.scale_extra_bytes,
           py::arg("quantizes_dense") = t.quantizes_dense, py::arg("weight_zero") = t.weight_zero,
           py::arg("weight_codes") = t.weight_codes ? py::object(py::str(t.weight_codes)) : py::none(),
           py::arg("checkpoint_format") =
@@ -415,7 +416,25 @@ PYBIND11_MODULE(_native, m) {
            py::arg("down_offset"), py::arg("file_experts"), py::arg("slot_to_file"),
            py::call_guard<py::gil_scoped_release>(),
            "Takes the held slots' weights from a packed file (one pool: computes from the mapping).")
-      .def_property_readonly("pool_slices", &MoeLayer::pool_slices);
+      .def_property_readonly("pool_slices", &MoeLayer::pool_slices)
+      .def(
+          "packed_view",
+          [](const MoeLayer& l) {
+            py::list pools;
+            for (int p = 0; p < l.num_pools(); ++p) {
+              const MoeLayer::PackedSlice s = l.packed_slice(p);
+              pools.append(py::dict(py::arg("i_begin") = s.i_begin, py::arg("i_end") = s.i_end,
+                                    py::arg("gate_up") = reinterpret_cast<uintptr_t>(s.gate_up),
+                                    py::arg("down") = reinterpret_cast<uintptr_t>(s.down),
+                                    py::arg("gate_up_bytes") = s.gate_up_bytes,
+                                    py::arg("down_bytes") = s.down_bytes));
+            }
+            return py::dict(py::arg("pools") = pools, py::arg("storage") = l.storage(),
+                            py::arg("hidden_padded") = l.hidden_padded(),
+                            py::arg("gate_up_block") = l.gate_up_block(), py::arg("mapped") = l.mapped());
+          },
+          "Where the packed weights are, per pool (expert e at gate_up + storage[e] * gate_up_bytes, "
+          "storage -1: not held), for readers of the packed layout (GPU prefill streaming).");
 
   m.def(
       "check_expert_ids",
@@ -440,6 +459,13 @@ PYBIND11_MODULE(_native, m) {
       },
       "How a CUDA stream hands work to the engine: memops, host-functions or none (no driver).");
   m.def("stream_signal_status", &stream_signal_status);
+  m.def("stream_signal_fall_back", &stream_signal_fall_back, py::arg("why"),
+        "Host functions from now on where memops was chosen (a failed probe on the device).");
+  m.def("host_device_pointer", [](uintptr_t host) { return host_device_pointer(ptr<const void>(host)); });
+  m.def("stream_write_value32", &stream_write_value32, py::arg("stream"), py::arg("device_word"),
+        py::arg("value"));
+  m.def("stream_wait_value32", &stream_wait_value32, py::arg("stream"), py::arg("device_word"),
+        py::arg("value"));
   m.def(
       "signal_thread_stats",
       [] {

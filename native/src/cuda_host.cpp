@@ -2,7 +2,9 @@
 
 #include <dlfcn.h>
 
+#include <atomic>
 #include <cstdlib>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 
@@ -29,6 +31,11 @@ struct Driver {
   StreamSignal signal = StreamSignal::kNone;
   std::string signal_status;
 };
+
+// The mode in use: the driver's choice, or host functions after a failed probe.
+std::mutex signal_mutex;
+std::atomic<StreamSignal> fallback{StreamSignal::kNone};
+std::string fallback_status;
 
 template <class Fn>
 Fn symbol(void* lib, const char* versioned, const char* plain) {
@@ -96,11 +103,20 @@ void launch_host_func(uintptr_t stream, HostFn fn, void* data) {
 }
 
 StreamSignal stream_signal() {
-  return driver().signal;
+  const StreamSignal f = fallback.load(std::memory_order_acquire);
+  return f != StreamSignal::kNone ? f : driver().signal;
 }
 
 std::string stream_signal_status() {
-  return driver().signal_status;
+  std::lock_guard<std::mutex> lock(signal_mutex);
+  return fallback.load() != StreamSignal::kNone ? fallback_status : driver().signal_status;
+}
+
+void stream_signal_fall_back(const std::string& why) {
+  std::lock_guard<std::mutex> lock(signal_mutex);
+  if (driver().signal != StreamSignal::kMemoryOps || fallback.load() != StreamSignal::kNone) return;
+  fallback_status = "host-functions (stream memory operations failed: " + why + ")";
+  fallback.store(StreamSignal::kHostFunctions, std::memory_order_release);
 }
 
 uint64_t host_device_pointer(const void* host) {

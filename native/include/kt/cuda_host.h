@@ -31,6 +31,9 @@ enum class StreamSignal { kNone, kHostFunctions, kMemoryOps };
 StreamSignal stream_signal();
 // The mode's name and why it was chosen, for doctor.
 std::string stream_signal_status();
+// Host functions from now on, where memops was chosen: the caller's probe of the memory operations
+// on the device failed (`why`). Call before any stream-ordered submit.
+void stream_signal_fall_back(const std::string& why);
 
 // The device address of pinned host memory (cuMemHostGetDevicePointer; needs a current context).
 uint64_t host_device_pointer(const void* host);

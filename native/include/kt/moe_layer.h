@@ -153,6 +153,8 @@ class MoeLayer {
   bool has_biases() const { return !gate_bias_.empty() || !up_bias_.empty() || !down_bias_.empty(); }
   // Every expert is held, slot e at storage e (what fine-tuning's kernels address).
   bool holds_every_expert() const;
+  // [E]: where expert e's packed weights are among the held ones (PackedSlice), -1 when absent.
+  const std::vector<int64_t>& storage() const { return storage_; }
   const KernelTable& kernels() const { return table_; }
   Runner& runner() const { return *runner_; }
 
