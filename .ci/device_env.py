@@ -39,7 +39,7 @@ TESTS = [
     ).split()
 ]
 # Its scripts, and the package modules its command-line steps reach (doctor, bench).
-SCRIPTS = ["bench/bench_amx_kernels.py", "bench/bench_decode_step.py"]
+SCRIPTS = ["bench/bench_amx_kernels.py", "bench/bench_decode_step.py", "bench/bench_prefill.py"]
 MODULES = ["kt_sglang.cli.main", "kt_sglang.cli.doctor", "kt_sglang.cli.bench", "kt_sglang.engine.pools"]
 
 

@@ -1,5 +1,6 @@
 """The CPU-reproducible benchmarks of the GPU path run end to end on the CPU (their figures live in
-docs/, not in tests): the model-shaped decode step on the CPU device and the thread-contention model."""
+docs/, not in tests): the model-shaped decode step and the streaming prefill on the CPU device, and the
+thread-contention model."""
 
 from __future__ import annotations
 
@@ -21,6 +22,23 @@ def run_bench(script: str, tmp_path: Path, *args: str) -> dict:
     )  # fmt: skip
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_prefill_benchmark_on_the_cpu_device(tmp_path):
+    """The streaming prefill against the engine (torch twins on the CPU device): every chunk and
+    method reported, the copies counted (three layers: nothing stays staged between passes)."""
+    r = run_bench(
+        "bench_prefill.py", tmp_path, "--device", "cpu", "--model", "tiny", "--chunks", "16", "64",
+        "--methods", "AMXINT4", "BF16", "--repeats", "1",
+    )  # fmt: skip
+    assert r["device"] == "cpu" and r["layers"] == 3 and r["pinned_h2d_gbps"] is None
+    assert [m["method"] for m in r["methods"]] == ["AMXINT4", "BF16"]
+    for m in r["methods"]:
+        assert m["layer_bytes"] > 0 and [row["chunk"] for row in m["rows"]] == [16, 64]
+        for row in m["rows"]:
+            assert row["cpu_tokens_per_s"] > 0 and row["stream_tokens_per_s"] > 0
+            assert row["copy_ms"] > 0 and row["compute_ms"] > 0 and row["stream_ms"] > 0
 
 
 @pytest.mark.slow

@@ -19,7 +19,7 @@ from test_layer_hybrid import HOT_SETS, E, H, K, assert_layers_match_reference, 
 
 from kt_sglang import KTMoEWrapper
 from kt_sglang.engine.native import _native
-from kt_sglang.engine.reference import relative_error
+from kt_sglang.engine.reference import moe_reference, relative_error
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -168,3 +168,36 @@ def test_cpu_and_gpu_parts_overlap():
     both = median_ms(lambda: layer(x, ids, weights))
     slower = max(median_ms(cpu_only), median_ms(gpu_only))
     assert both <= 1.15 * slower, f"layer {both:.3f} ms, slower part alone {slower:.3f} ms"
+
+
+@pytest.mark.parametrize("method", ["AMXINT4", "AMXINT8", "BF16", "FP8", "MXFP4"])
+def test_gpu_prefill_streams_packed_experts(method):
+    """Long chunks' cold experts copied to the GPU in the packed layout and decoded there: against the
+    float32 MoE of the method's values, whole layers and rounds of two experts, on a side stream."""
+    import test_gpu_prefill as gp
+
+    from kt_sglang.engine.methods import Method
+    from kt_sglang.layer import GpuPrefill, HybridMoELayer
+
+    layers, full = gp.build_model(Method(method), [set(), {1, 5}, set()])
+    layers = to_cuda(layers)
+    per_expert = None
+    for cap in (None, "two experts a half"):
+        if cap is not None:
+            per_expert = layers[0].prefill_source.expert_bytes()
+        prefill = GpuPrefill(gp.THRESHOLD, "cuda", None if per_expert is None else 4 * per_expert)
+        HybridMoELayer.enable_gpu_prefill(layers, prefill)
+        stream = torch.cuda.Stream()
+        for tokens in (gp.THRESHOLD, 200):
+            with torch.cuda.stream(stream):
+                outs = []
+                for n, layer in enumerate(layers):
+                    x = make_hidden(tokens, gp.H, seed=tokens + n)
+                    ids, weights = make_routing(tokens, gp.E, gp.K, seed=tokens + 10 + n, skip_fraction=0.05)
+                    y = layer(x.cuda(), ids.cuda(), weights.cuda())
+                    outs.append((y, moe_reference(x, *full[n], ids, weights)))
+            stream.synchronize()
+            for n, (y, want) in enumerate(outs):
+                err = relative_error(y.cpu(), want)
+                assert err <= 0.01, f"{method} {tokens} tokens, cap {cap}, layer {n}: {err:.4f}"
+        assert prefill.stats.layer_forwards == 2 * len(layers)
