@@ -17,11 +17,15 @@ the torch twins and the engine directly.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from kt_sglang.engine.inference import InferenceMoEWrapper
 from kt_sglang.kernels import hot_moe, split_routing
+
+if TYPE_CHECKING:
+    from kt_sglang.placement.heat import ExpertHeat
 
 # hidden [T, H], slot_ids [T, k] (GPU slot of each hot selection, -1 elsewhere), weights [T, k]
 # -> fp32 [T, H]
@@ -71,7 +75,8 @@ class HybridMoELayer(torch.nn.Module):
     each hot expert, -1 for cold ones; w13 ``[S, 2I, H]`` / w2 ``[S, H, I]``: the hot experts' weights
     by slot; chain: shared by the model's MoE layers; deferral_max_tokens: the largest batch that
     defers (above it the deferred task would only add a dispatch and a second pass over weights the
-    immediate task reads; None: every batch)."""
+    immediate task reads; None: every batch); heat: counts the layer's routing for placement by heat
+    (kt_sglang/placement/heat.py; w13 / w2 then also hold its spare slots)."""
 
     def __init__(
         self,
@@ -82,6 +87,7 @@ class HybridMoELayer(torch.nn.Module):
         chain: DeferralChain,
         max_deferred_experts_per_token: int = 0,
         deferral_max_tokens: int | None = DEFERRAL_MAX_TOKENS,
+        heat: ExpertHeat | None = None,
     ) -> None:
         super().__init__()
         E, k = experts.num_experts, experts.num_experts_per_tok
@@ -102,6 +108,7 @@ class HybridMoELayer(torch.nn.Module):
         self.chain = chain
         self.max_deferred = max_deferred_experts_per_token
         self.deferral_max_tokens = deferral_max_tokens
+        self.heat = heat
         self.next_moe: HybridMoELayer | None = None  # set by link()
 
     @staticmethod
@@ -131,6 +138,8 @@ class HybridMoELayer(torch.nn.Module):
         ``hot(hidden, slot_ids, weights)``: the hot experts' fp32 output (a serving framework's own
         GPU kernels: the SGLang plugin passes SGLang's MoE method), `hot_forward` by default."""
         stream = _stream_of(hidden)
+        if self.heat is not None:
+            self.heat.record(topk_ids, num_tokens)
         self.chain.drop_stale(self, hidden)  # before our own deferred submission reuses the buffers
         defers = self.next_moe is not None and (
             self.deferral_max_tokens is None or hidden.shape[0] <= self.deferral_max_tokens
