@@ -205,3 +205,91 @@ def test_heat_placement_refuses_an_engine_without_every_expert():
     )
     with pytest.raises(ValueError, match="the engine must hold them all"):
         place_by_heat([layer], [(torch.zeros(LE, 2 * I, H), torch.zeros(LE, H, I))], HeatConfig())
+
+
+# --- the plugin's flags -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from kt_sglang.tiny_model import write_tiny_moe
+
+    return write_tiny_moe(tmp_path_factory.mktemp("heat") / "m")
+
+
+def resolve_flags(model, *flags: str):
+    from kt_sglang.sglang.settings import early_server_args, resolve, split_argv
+
+    argv = ["--model-path", str(model), "--kt-weight-path", str(model), "--kt-method", "BF16"]
+    argv += ["--kt-cpuinfer", "1", *flags]
+    extra, rest = split_argv(argv)
+    return resolve(early_server_args(rest), extra, argv)
+
+
+HEAT = ("--kt-expert-placement-strategy", "heat")
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (
+            (*HEAT, "--kt-num-gpu-experts", "2", "--kt-heat-margin", "-1"),
+            "--kt-heat-margin -1.0: use a fraction",
+        ),
+        ((*HEAT, "--kt-num-gpu-experts", "2", "--kt-heat-max-moves", "0"), "--kt-heat-max-moves 0: use an"),
+        ((*HEAT, "--kt-num-gpu-experts", "2", "--kt-heat-interval-steps", "0"), "--kt-heat-interval-steps 0"),
+        (
+            (*HEAT, "--kt-num-gpu-experts", "2", "--kt-heat-half-life-steps", "nan"),
+            "--kt-heat-half-life-steps",
+        ),
+        (
+            ("--kt-num-gpu-experts", "2", "--kt-heat-margin", "0.5"),
+            "--kt-heat-margin: only with --kt-expert-",
+        ),
+        (HEAT, "heat moves experts in and out of GPU slots: give them some with --kt-num-gpu-experts"),
+        ((*HEAT, "--kt-num-gpu-experts", "0"), "give them some with --kt-num-gpu-experts N"),
+        (("--kt-gpu-experts-memory-gib", "0"), "--kt-gpu-experts-memory-gib 0.0: use a number of GiB > 0"),
+        (("--kt-gpu-experts-memory-gib", "inf"), "--kt-gpu-experts-memory-gib inf: use a number of GiB"),
+        (
+            ("--kt-gpu-experts-memory-gib", "1", "--kt-num-gpu-experts", "2"),
+            "give --kt-gpu-experts-memory-gib or --kt-num-gpu-experts, not both",
+        ),
+        (("--kt-gpu-experts-memory-gib", "1e-6"), "--kt-gpu-experts-memory-gib 1e-06 holds no hot expert"),
+        (
+            (*HEAT, "--kt-gpu-experts-memory-gib", "1e-6"),
+            r"holds no hot expert: .* \(and 2 spare slot\(s\) each for placement by heat\)",
+        ),
+        (
+            (*HEAT, "--kt-num-gpu-experts", "2", "--kt-expert-lora-path", "/nowhere"),
+            "--kt-expert-lora-path with --kt-expert-placement-strategy heat",
+        ),
+    ],
+)
+def test_bad_flags_are_refused_naming_the_flag(tiny_model, flags, message):
+    from kt_sglang.sglang.settings import KtSettingsError
+
+    with pytest.raises(KtSettingsError, match=message):
+        resolve_flags(tiny_model, *flags)
+
+
+def test_memory_budget_sets_the_slots_per_layer(tiny_model):
+    """Slots per layer = budget / (MoE layers x one expert's bf16 bytes); heat keeps max_moves of
+    them spare; --kt-num-gpu-experts keeps its meaning (hot experts, spares on top)."""
+    from kt_sglang.placement.strategies import GIB, expert_bytes
+    from kt_sglang.sglang.settings import model_facts
+    from kt_sglang.weights.checkpoint import open_checkpoint
+
+    spec = open_checkpoint(tiny_model).spec
+    facts = model_facts(str(tiny_model))
+    E, L = facts.num_experts, len(facts.moe_layers)
+    one = expert_bytes(spec.hidden_size, spec.intermediate_size, 2)
+    gib = f"{5.5 * L * one / GIB!r}"  # 5 slots per layer
+    static = resolve_flags(tiny_model, "--kt-gpu-experts-memory-gib", gib)
+    assert static.total_hot(E, L, one) == 5 * L and static.heat is None
+    heat = resolve_flags(tiny_model, *HEAT, "--kt-gpu-experts-memory-gib", gib, "--kt-heat-max-moves", "1")
+    assert heat.total_hot(E, L, one) == 4 * L and heat.spare_slots(4, E) == 1
+    assert heat.heat == {"max_moves": 1} and heat.heat_config() == HeatConfig(max_moves=1)
+    counted = resolve_flags(tiny_model, *HEAT, "--kt-num-gpu-experts", "3", "--kt-heat-margin", "0.5")
+    assert counted.total_hot(E, L) == 3 * L and counted.spare_slots(3, E) == 2
+    assert counted.spare_slots(E - 1, E) == 1  # never more slots than experts
+    assert counted.heat_config().margin == 0.5
