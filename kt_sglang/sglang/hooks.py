@@ -110,6 +110,9 @@ def weight_loader_impl(original, layer, *args, **kwargs):
         return original(layer, *args, **kwargs)
     names = ("param", "loaded_weight", "weight_name", "shard_id", "expert_id")
     bound = dict(zip(names, args, strict=False)) | kwargs
+    host = method.host_copy_of(bound["param"])
+    if host is not None:  # placement by heat: every expert's GPU weights also on the host
+        original(layer, **(bound | {"param": host}))
     slot = method.gpu_slot(int(bound["expert_id"]))
     if slot < 0:
         return None
@@ -140,7 +143,7 @@ def after_load_model(result, model_runner, *args, **kwargs):
 
     from kt_sglang.engine.native import _native
     from kt_sglang.layer.hybrid import DeferralChain, HybridMoELayer
-    from kt_sglang.sglang.method import KTEPWrapperMethod
+    from kt_sglang.sglang.method import KTEPWrapperMethod, heat_placement
 
     settings = KtSettings.from_env()
     if settings is None:
@@ -157,6 +160,8 @@ def after_load_model(result, model_runner, *args, **kwargs):
     for m in ours:
         m.quant_method.attach(m, chain)
     HybridMoELayer.link([m.quant_method.hybrid for m in ours if m.quant_method.hybrid is not None])
+    # placement by heat: re-chosen between forward steps (after_forward)
+    model_runner.kt_heat_placement = heat_placement([m.quant_method for m in ours], settings)
     hot = [m.quant_method.num_hot for m in ours]
     mapped = sum(m.quant_method.wrapper is not None and m.quant_method.wrapper.mapped for m in ours)
     logger.info(
@@ -173,6 +178,14 @@ def after_load_model(result, model_runner, *args, **kwargs):
         len(ours),
         mapped,
     )
+    return result
+
+
+def after_forward(result, model_runner, *args, **kwargs):
+    """Placement by heat: a step of the model's placement after each forward."""
+    placement = getattr(model_runner, "kt_heat_placement", None)
+    if placement is not None:
+        placement.step()
     return result
 
 
