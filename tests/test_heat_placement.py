@@ -293,3 +293,53 @@ def test_memory_budget_sets_the_slots_per_layer(tiny_model):
     assert counted.total_hot(E, L) == 3 * L and counted.spare_slots(3, E) == 2
     assert counted.spare_slots(E - 1, E) == 1  # never more slots than experts
     assert counted.heat_config().margin == 0.5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_moves_between_cuda_graph_replays_keep_the_output():
+    """One CUDA graph of the layer's step (the routing counted inside it), replayed on a drifting
+    trace with the placement stepping between replays: the weight copies run on a side stream, the
+    table is written in place, and every replay matches the float32 reference of all experts."""
+    tokens = 4
+    gate, up, down = (w.bfloat16() for w in make_weights(LE, I, H, seed=30))
+    experts = KTMoEWrapper(0, LE, LK, H, I, None, 1, 1, method="BF16")
+    experts.load_weights_from_tensors(gate, up, down)
+    w13, w2 = torch.cat([gate, up], 1), down
+    layer = HybridMoELayer(
+        experts, slot_map([0, 1, 2, 3], LE).cuda(), w13[:6].cuda(), w2[:6].cuda(), DeferralChain()
+    )
+    placement = place_by_heat(
+        [layer], [(w13.pin_memory(), w2.pin_memory())], HeatConfig(half_life_steps=4, interval_steps=2)
+    )
+    trace = ZipfTrace(LE, LK, layers=1, skew=1.5, phase_steps=12, drift=1.0, seed=9).steps(48, tokens)
+    x = torch.zeros(tokens, H, dtype=torch.bfloat16, device="cuda")
+    ids = torch.zeros(tokens, LK, dtype=torch.int64, device="cuda")
+    weights = torch.full((tokens, LK), 1.0 / LK, device="cuda")
+    KTMoEWrapper.set_capture_batch_sizes([tokens])
+    try:
+        ids.copy_(trace[0][0])
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            layer(x, ids, weights)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = layer(x, ids, weights)
+        gen = torch.Generator().manual_seed(10)
+        for step, (step_ids,) in enumerate(trace):
+            hidden = make_hidden(tokens, H, seed=200 + step)
+            w = torch.softmax(torch.randn(tokens, LK, generator=gen), -1)
+            x.copy_(hidden)
+            ids.copy_(step_ids)
+            weights.copy_(w)
+            graph.replay()
+            y = out.cpu()  # synchronizes
+            assert relative_error(y, moe_reference(hidden, gate, up, down, step_ids, w)) <= 0.01, step
+            placement.step()
+        torch.cuda.synchronize()
+        assert placement.moves >= 4
+        assert torch.equal(layer.gpu_slot_of.cpu(), placement.layers[0][1].table)
+    finally:
+        KTMoEWrapper.set_capture_batch_sizes([])
+        KTMoEWrapper.clear_buffer_cache()

@@ -22,6 +22,7 @@ logger = logging.getLogger("kt_sglang")
 
 
 _checked_early = False  # register() checked this process's flags already
+HEAT_LOG_STEPS = 4096  # placement by heat logs its moves at the first and every this many steps
 
 
 def check_flags_early(argv: list[str]) -> None:
@@ -185,7 +186,13 @@ def after_forward(result, model_runner, *args, **kwargs):
     """Placement by heat: a step of the model's placement after each forward."""
     placement = getattr(model_runner, "kt_heat_placement", None)
     if placement is not None:
-        placement.step()
+        moved = placement.step()
+        if (moved and placement.moves == moved) or placement.steps % HEAT_LOG_STEPS == 0:
+            logger.info(
+                "kt-sglang: placement by heat: %d expert moves in %d forward steps",
+                placement.moves,
+                placement.steps,
+            )
     return result
 
 
