@@ -111,7 +111,7 @@ def test_heat_counts_on_the_device_and_decays():
     heat.record(torch.tensor([[2, 0], [2, 0]]), num_tokens=torch.tensor([1], dtype=torch.int32))
     assert heat.counts.tolist() == [2.0, 3.0, 1.0, 1.0] and heat.latest() is None
     heat.fold(0.5)
-    heat.record(torch.tensor([[3, 2]]))
+    heat.record(torch.tensor([[3, 2]], dtype=torch.int32))  # SGLang's topk_ids
     heat.fold(0.5)
     assert heat.latest().tolist() == [1.0, 1.5, 1.5, 1.5] and heat.counts.sum() == 0
 

@@ -72,7 +72,9 @@ class ExpertHeat:
     def __init__(self, num_experts: int, device: torch.device | str) -> None:
         device = torch.device(device)
         self.num_experts = num_experts
-        self.counts = torch.zeros(num_experts, dtype=torch.float32, device=device)
+        # one bin more, where the -1 selections land (never read): three kernels a step, no mask
+        self._bins = torch.zeros(num_experts + 1, dtype=torch.float32, device=device)
+        self.counts = self._bins[:num_experts]
         self.heat = torch.zeros(num_experts, dtype=torch.float32, device=device)
         self._host = torch.zeros(num_experts, dtype=torch.float32, pin_memory=device.type == "cuda")
         self._copied: torch.cuda.Event | None = None
@@ -87,14 +89,14 @@ class ExpertHeat:
         if num_tokens is not None:
             rows = torch.arange(ids.shape[0], device=ids.device) < num_tokens.to(ids.device)
             ids = torch.where(rows[:, None], ids, -1)
-        ids = ids.reshape(-1).long()
-        self.counts.index_add_(0, ids.clamp_min(0), (ids >= 0).to(torch.float32))
+        bins = torch.remainder(ids.reshape(-1), self.num_experts + 1)  # -1 -> the last bin
+        self._bins.index_add_(0, bins, torch.ones(bins.shape, dtype=torch.float32, device=bins.device))
 
     def fold(self, decay: float) -> None:
         """heat = heat * decay + counts, counts = 0, and the heat's copy to the host begun (in the
         current stream's order: after the steps that recorded)."""
         self.heat.mul_(decay).add_(self.counts)
-        self.counts.zero_()
+        self._bins.zero_()
         if self.heat.is_cuda:
             if self._copied is not None and not self._copied.query():
                 return  # the last copy is still being read into the host buffer: keep it
