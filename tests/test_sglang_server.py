@@ -404,6 +404,18 @@ def _launch_error(args: list[str]) -> subprocess.CompletedProcess:
             ["--kt-expert-lora-path", "/nonexistent"],
             "--kt-expert-lora-path: /nonexistent is not a PEFT adapter",
         ),
+        (
+            [
+                "--kt-expert-placement-strategy",
+                "heat",
+                "--kt-num-gpu-experts",
+                "2",
+                "--kt-heat-max-moves",
+                "0",
+            ],
+            "--kt-heat-max-moves 0: use an integer >= 1",
+        ),
+        (["--kt-gpu-experts-memory-gib", "-2"], "--kt-gpu-experts-memory-gib -2.0: use a number of GiB > 0"),
     ],
 )
 def test_bad_flags_stop_the_launcher_with_one_message(qwen, flags, message):
