@@ -125,7 +125,7 @@ def choose_moves(
     if hot_ids.numel() == 0 or cold_ids.numel() == 0:
         return []
     n = min(max_moves, hot_ids.numel(), cold_ids.numel())
-    # ties: the lower id stays hot / comes in first (stable sorts over ids in order)
+    # ties: the lower id goes out / comes in first (stable sorts over ids in order)
     coldest_hot = hot_ids[torch.sort(heat[hot_ids], stable=True).indices[:n]]
     hottest_cold = cold_ids[torch.sort(heat[cold_ids], descending=True, stable=True).indices[:n]]
     moves = []
