@@ -3,6 +3,7 @@
     python bench/bench_decode_step.py [--model qwen3-30b-a3b|deepseek-v3|tiny] [--layers 3]
         [--batches 1 4 16 64 128] [--hot 0 0.1 0.25] [--deferral 0 1 2 4] [--context 2048]
         [--method AMXINT4] [--device cpu|cuda] [--no-graph] [--repeats 9] [--out FILE]
+        [--trace zipf [--trace-steps 600] [--trace-phase 200] [--trace-skew 1.0]]
 
 Each layer does what a model's decoder layer does on the GPU besides the routed experts: RMSNorm,
 attention projections and a read of a KV cache of ``--context`` positions per sequence (grouped-query
@@ -24,6 +25,16 @@ and the synchronization cost per layer, (step - gpu - cpu) / layers: what the st
 parts run one after the other (at 0% hot, where the parts cannot overlap, the cost of handing each
 layer's work between the GPU stream and the engine).
 On the CPU device both parts share the cores and run in turn; CI runs it there as a smoke test.
+
+With ``--trace zipf`` it compares placements instead: the routed experts follow a synthetic trace,
+Zipf-like per layer with a share of the ranks reshuffled every ``--trace-phase`` steps
+(kt_sglang/placement/trace.py; the router still runs, its choice is replaced), and each hot share
+runs the trace with uniform placement (experts 0..n-1), placement by heat (n slots: n - max_moves
+hot and max_moves spare, starting from uniform) and the best static choice in hindsight (per layer
+the n experts routed to most over the whole trace), without deferral. Per batch, hot share and
+placement: the share of routed selections served by GPU slots, the median step (with the
+placement's work between steps) and the moves per step. On the CPU device only the shares mean
+anything.
 """
 
 from __future__ import annotations
@@ -32,7 +43,7 @@ import argparse
 import json
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -42,6 +53,8 @@ from kt_sglang import KTMoEWrapper
 from kt_sglang.engine.pools import physical_cores, reserved_cores, serving_threads
 from kt_sglang.kernels import split_routing
 from kt_sglang.layer import DeferralChain, HybridMoELayer
+from kt_sglang.placement import HeatConfig, HeatPlacement, place_by_heat, slot_map
+from kt_sglang.placement.trace import ZipfTrace, best_static, served
 
 
 @dataclass(frozen=True)
@@ -158,13 +171,17 @@ class DecoderStack(torch.nn.Module):
         self.dense, self.moe = dense, moe
         self.part = "both"
         self.recorded: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        # with a routing trace: each layer's ids for the step, written before each step (or replay)
+        self.trace_ids: list[torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.recorded = []
-        for dense, moe in zip(self.dense, self.moe, strict=True):
+        for n, (dense, moe) in enumerate(zip(self.dense, self.moe, strict=True)):
             x = dense.attention(x)
             h = _rms_norm(x, dense.norm2)
             ids, weights = dense.route(h)
+            if self.trace_ids is not None:
+                ids = self.trace_ids[n]
             if self.part == "gpu":
                 split = split_routing(ids, weights, moe.gpu_slot_of, 0)
                 y = moe.hot_forward(h, split.hot_ids, weights).to(h.dtype)
@@ -177,20 +194,23 @@ class DecoderStack(torch.nn.Module):
         return x
 
 
-def build_moe(sources, hot: float, deferral: int, device: str) -> list[HybridMoELayer]:
+def build_moe(
+    sources, hot: float, deferral: int, device: str, hot_sets: list[list[int]] | None = None, spare: int = 0
+) -> list[HybridMoELayer]:
+    """Experts 0..n-1 hot in every layer (or ``hot_sets``), plus ``spare`` slots (experts n..)."""
     chain = DeferralChain()
     layers = []
-    for gate, up, down, experts in sources:
+    for n, (gate, up, down, experts) in enumerate(sources):
         E = gate.shape[0]
-        n_hot = round(E * hot)
-        slot_of = torch.full((E,), -1)
-        slot_of[:n_hot] = torch.arange(n_hot)
-        w13 = torch.cat([gate[:n_hot], up[:n_hot]], 1).to(device)
+        n_hot = round(E * hot) - spare
+        hot_ids = hot_sets[n] if hot_sets is not None else list(range(n_hot))
+        rows = sorted(hot_ids) + [e for e in range(E) if e not in hot_ids][:spare]  # slot_map's order
+        w13 = torch.cat([gate[rows], up[rows]], 1).to(device)
         layer = HybridMoELayer(
             experts,
-            slot_of.to(device),
+            slot_map(hot_ids, E).to(device),
             w13,
-            down[:n_hot].to(device),
+            down[rows].to(device),
             chain,
             deferral,
             deferral_max_tokens=None,
@@ -258,6 +278,89 @@ def cpu_part_time(stack: DecoderStack, x: torch.Tensor, repeats: int) -> float:
     return timed(lambda: [experts.forward(h, ids, w) for experts, h, ids, w in calls], repeats, False)
 
 
+def run_trace(
+    stack: DecoderStack,
+    x: torch.Tensor,
+    trace: list[list[torch.Tensor]],
+    graph: bool,
+    cuda: bool,
+    placement: HeatPlacement | None,
+) -> dict:
+    """The steps of ``trace`` through ``stack``: served share, median step, moves per step."""
+    stack.trace_ids = [ids.to(x.device) for ids in trace[0]]
+    fn = step_fn(stack, x, graph)
+    static = [(moe.gpu_slot_of >= 0).cpu() for moe in stack.moe]
+    moves_before = placement.moves if placement else 0
+    hit = total = 0
+    times = []
+    for step in trace:
+        for buf, ids in zip(stack.trace_ids, step, strict=True):
+            buf.copy_(ids, non_blocking=True)
+        # the tables this step reads (a commit writes the device's in stream order)
+        masks = [slots.table >= 0 for _, slots in placement.layers] if placement else static
+        for mask, ids in zip(masks, step, strict=True):
+            h, t = served(ids, mask)
+            hit, total = hit + h, total + t
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if placement:
+            placement.step()
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    stack.trace_ids = None
+    moves = (placement.moves - moves_before) if placement else 0
+    return {
+        "served_share": hit / total,
+        "step_ms": statistics.median(times) * 1e3,
+        "moves_per_step": moves / len(trace),
+    }
+
+
+def compare_placements(args, s: Shape, sources, gen: torch.Generator, cuda: bool, graph: bool) -> list[dict]:
+    """Uniform, heat and best-static-in-hindsight placement on one drifting trace per batch."""
+    config = HeatConfig(max_moves=args.heat_max_moves, interval_steps=args.heat_interval)
+    pin = cuda
+    host = [
+        (torch.cat([g, u], 1).pin_memory() if pin else torch.cat([g, u], 1), d.pin_memory() if pin else d)
+        for g, u, d, _ in sources
+    ]
+    rows = []
+    for batch in args.batches:
+        KTMoEWrapper.set_capture_batch_sizes([batch])
+        dense = [DenseParts(s, batch, args.context, args.device, gen) for _ in range(args.layers)]
+        x = (torch.randn(batch, s.hidden, generator=gen) / 4).bfloat16().to(args.device)
+        trace = ZipfTrace(
+            s.experts, s.top_k, args.layers, args.trace_skew, args.trace_phase, seed=batch
+        ).steps(args.trace_steps, batch)
+        for hot in args.hot:
+            slots = round(s.experts * hot)
+            spare = min(config.max_moves, slots - 1)
+            if spare < 1:
+                continue  # heat needs a hot slot and a spare one
+            runs = {
+                "uniform": (build_moe(sources, hot, 0, args.device), None),
+                "best-static": (
+                    build_moe(sources, hot, 0, args.device, best_static(trace, s.experts, slots)),
+                    None,
+                ),
+            }
+            moe = build_moe(sources, hot, 0, args.device, spare=spare)
+            runs["heat"] = (moe, place_by_heat(moe, host, replace(config, max_moves=spare)))
+            for name, (moe, placement) in runs.items():
+                r = run_trace(DecoderStack(dense, moe), x, trace, graph, cuda, placement)
+                rows.append({
+                    "batch": batch, "hot_fraction": hot, "placement": name, "slots": slots,
+                    "hot_experts": slots - (spare if placement else 0), **r,
+                })  # fmt: skip
+        del dense
+        KTMoEWrapper.set_capture_batch_sizes([])
+        KTMoEWrapper.clear_buffer_cache()
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", choices=sorted(SHAPES), default="qwen3-30b-a3b")
@@ -271,6 +374,12 @@ def main() -> None:
     p.add_argument("--no-graph", action="store_true", help="on CUDA, time eager steps (no CUDA graph)")
     p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--out", type=Path)
+    p.add_argument("--trace", choices=("zipf",), help="compare placements on a drifting routing trace")
+    p.add_argument("--trace-steps", type=int, default=600)
+    p.add_argument("--trace-phase", type=int, default=200, help="steps between two drifts of the hot set")
+    p.add_argument("--trace-skew", type=float, default=1.0, help="Zipf exponent of the routing")
+    p.add_argument("--heat-max-moves", type=int, default=HeatConfig.max_moves)
+    p.add_argument("--heat-interval", type=int, default=HeatConfig.interval_steps)
     args = p.parse_args()
     if 0 not in args.deferral:
         p.error("--deferral must include 0 (the speedups are against it)")
@@ -292,6 +401,9 @@ def main() -> None:
         )
         experts.load_weights_from_tensors(gate, up, down)
         sources.append((gate, up, down, experts))
+    if args.trace:
+        trace_main(args, s, sources, gen, cuda, graph)
+        return
     rows, parts = [], []
     for batch in args.batches:
         KTMoEWrapper.set_capture_batch_sizes([batch])  # buffers of their own, as SGLang's captured sizes
@@ -359,6 +471,41 @@ def main() -> None:
         )  # fmt: skip
     pays = ", ".join(f"{float(h) * 100:.0f}% hot: {b}" for h, b in result["deferral_pays_up_to"].items())
     print(f"deferral pays (x1.02 or more) up to batch: {pays}")
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2))
+
+
+def trace_main(args, s: Shape, sources, gen: torch.Generator, cuda: bool, graph: bool) -> None:
+    rows = compare_placements(args, s, sources, gen, cuda, graph)
+    result = {
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "cuda_graph": graph,
+        "model": args.model,
+        "method": args.method,
+        "layers": args.layers,
+        "context": args.context,
+        "trace": {"kind": args.trace, "steps": args.trace_steps, "phase_steps": args.trace_phase,
+                  "skew": args.trace_skew, "drift": ZipfTrace.drift},
+        "heat": {"max_moves": args.heat_max_moves, "interval_steps": args.heat_interval},
+        "placements": rows,
+    }  # fmt: skip
+    print(
+        f"{args.layers} {args.model} layers, {args.trace} trace ({args.trace_steps} steps, drift every "
+        f"{args.trace_phase}, skew {args.trace_skew}), {args.method}, {result['device']}"
+        f"{', CUDA graph' if graph else ''}"
+    )
+    print("| batch | slots | placement | hot | served share | step ms | x uniform | moves/step |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        key = (r["batch"], r["hot_fraction"])
+        base = next(
+            u["step_ms"] for u in rows if (u["batch"], u["hot_fraction"], u["placement"]) == (*key, "uniform")
+        )
+        print(
+            f"| {r['batch']} | {r['slots']} ({r['hot_fraction'] * 100:.0f}%) | {r['placement']} | "
+            f"{r['hot_experts']} | {r['served_share']:.3f} | {r['step_ms']:.2f} | "
+            f"{base / r['step_ms']:.2f} | {r['moves_per_step']:.3f} |"
+        )
     if args.out:
         args.out.write_text(json.dumps(result, indent=2))
 

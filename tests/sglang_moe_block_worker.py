@@ -8,6 +8,10 @@ our hook, cold ones on the CPU engine). Run by tests/test_sglang_moe_block.py in
 SGLang's process-wide context and process groups stay out of the test process.
 
 usage: sglang_moe_block_worker.py WORKDIR --method BF16 --placement random --hot 3 --port 29655
+
+With ``--placement heat`` the block first runs ``--steps`` forwards of skewed routing (inputs drawn
+near one expert's router row), the plugin's placement stepping after each as after a model forward;
+the output and the slots are then checked against the moved hot set.
 """
 
 from __future__ import annotations
@@ -121,6 +125,7 @@ def load_plugin(model_dir: Path, method: str, hot: int, placement: str) -> None:
         placement_strategy=placement,
         placement_stats=None,
         record_placement_stats=None,
+        heat={"interval_steps": 1, "half_life_steps": 4.0} if placement == "heat" else None,
     ).to_env()
     load_plugins()
 
@@ -198,6 +203,7 @@ def main() -> None:
     parser.add_argument("--placement", default="uniform")
     parser.add_argument("--hot", type=int, default=3)
     parser.add_argument("--port", type=int, default=29655)
+    parser.add_argument("--steps", type=int, default=0)
     args = parser.parse_args()
 
     model_dir = args.workdir / "deepseek-v3-block"
@@ -209,6 +215,8 @@ def main() -> None:
     from transformers import AutoConfig
 
     from kt_sglang.layer.hybrid import DeferralChain, HybridMoELayer
+    from kt_sglang.sglang.method import heat_placement
+    from kt_sglang.sglang.settings import KtSettings
 
     block = DeepseekV2MoE(AutoConfig.from_pretrained(model_dir), layer_id=1, prefix=PREFIX[:-1])
     block = block.to(torch.bfloat16)
@@ -216,6 +224,18 @@ def main() -> None:
     method = block.experts.quant_method
     method.attach(block.experts, DeferralChain())
     HybridMoELayer.link([method.hybrid])
+    placement = heat_placement([method], KtSettings.from_env())
+    started_hot = list(method.hot_experts)
+    if placement is not None:
+        # routing skewed towards the experts a cold expert's router row favours: tokens near row 6
+        router = block.gate.weight.detach().float()
+        gen = torch.Generator().manual_seed(2)
+        for _ in range(args.steps):
+            x = (router[6] * 8 + torch.randn(4, H, generator=gen)).to(torch.bfloat16)
+            with torch.no_grad():
+                block(x)
+            placement.step()
+        method.hot_experts = (method.hybrid.gpu_slot_of >= 0).nonzero().flatten().tolist()
 
     slots_match = all(
         torch.equal(
@@ -228,7 +248,7 @@ def main() -> None:
             ),
         )
         and torch.equal(block.experts.w2_weight[slot], tensors[f"{PREFIX}experts.{e}.down_proj.weight"])
-        for slot, e in enumerate(method.hot_experts)
+        for e, slot in ((e, int(method.hybrid.gpu_slot_of[e])) for e in method.hot_experts)
     )
 
     # What DecodeCudaGraphRunner.__init__ does with its capture sizes (it needs CUDA to be built):
@@ -257,6 +277,8 @@ def main() -> None:
             {
                 "wrapper": type(method).__module__ + "." + type(method).__name__,
                 "hot_experts": method.hot_experts,
+                "started_hot": started_hot,
+                "moves": placement.moves if placement is not None else 0,
                 "gpu_slots": int(block.experts.w13_weight.shape[0]),
                 "slots_match": slots_match,
                 "capture_buffers": capture_buffers,

@@ -58,6 +58,21 @@ def test_decode_step_benchmark_on_the_cpu_device(tmp_path):
 
 
 @pytest.mark.slow
+def test_decode_step_benchmark_compares_placements_on_a_drifting_trace(tmp_path):
+    r = run_bench(
+        "bench_decode_step.py", tmp_path, "--device", "cpu", "--model", "tiny", "--layers", "2",
+        "--batches", "2", "--hot", "0.5", "--context", "32", "--trace", "zipf", "--trace-steps", "120",
+        "--trace-phase", "40",
+    )  # fmt: skip
+    rows = {row["placement"]: row for row in r["placements"]}
+    assert set(rows) == {"uniform", "heat", "best-static"} and r["trace"]["phase_steps"] == 40
+    assert rows["heat"]["hot_experts"] == 6 and rows["uniform"]["hot_experts"] == rows["heat"]["slots"] == 8
+    assert all(0 < row["served_share"] < 1 and row["step_ms"] > 0 for row in rows.values())
+    assert rows["best-static"]["served_share"] > rows["uniform"]["served_share"]
+    assert rows["heat"]["moves_per_step"] > 0 and rows["uniform"]["moves_per_step"] == 0
+
+
+@pytest.mark.slow
 def test_contention_benchmark(tmp_path):
     """The engine on every core beside a busy process: no call stalls for a scheduler slice (on the
     2-core Xeon, before waiting workers pulled preempted ones onto their cores: 21-22x the median

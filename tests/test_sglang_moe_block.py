@@ -20,9 +20,9 @@ from kt_sglang.cli.server import free_port
 WORKER = Path(__file__).with_name("sglang_moe_block_worker.py")
 
 
-def run_block(tmp_path: Path, method: str, placement: str, hot: int) -> dict:
+def run_block(tmp_path: Path, method: str, placement: str, hot: int, *extra: str) -> dict:
     cmd = [sys.executable, str(WORKER), str(tmp_path), "--method", method, "--placement", placement]
-    cmd += ["--hot", str(hot), "--port", str(free_port())]
+    cmd += ["--hot", str(hot), "--port", str(free_port()), *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -44,3 +44,15 @@ def test_deepseek_v3_block_matches_hf(tmp_path, method, placement, hot):
     assert result["rel_err"] < 0.03, result
     assert result["rel_err_vs_unscaled"] > 0.3, result
     assert result["rel_err_vs_without_shared"] > 0.3, result
+
+
+def test_heat_placement_moves_experts_inside_sglangs_block(tmp_path):
+    """--kt-expert-placement-strategy heat in SGLang's block: 3 hot experts and 2 spare slots, the host
+    copies filled by the loader hook, the engine holding every expert; after 24 steps routed towards
+    experts 4-7 the hot set has moved, each hot expert's slot holds its checkpoint weights, and the
+    block still matches HF's."""
+    result = run_block(tmp_path, "BF16", "heat", 3, "--steps", "24")
+    assert result["started_hot"] == [0, 1, 2] and result["gpu_slots"] == 5
+    assert result["moves"] >= 2 and 6 in result["hot_experts"], result
+    assert len(result["hot_experts"]) == 3 and result["slots_match"], result
+    assert result["rel_err"] < 0.03, result

@@ -132,6 +132,18 @@ def test_qwen3_moe_bf16_greedy_ids_equal_hf(qwen, gpu_experts, placement, tmp_pa
     assert outs == [hf for _, hf in prompts]
 
 
+def test_qwen3_moe_heat_placement_greedy_ids_equal_hf(qwen, tmp_path):
+    """Placement by heat in the server: experts move between forward steps (re-chosen after each),
+    and the greedy ids stay HF's."""
+    model_dir, prompts = qwen
+    args = _kt(model_dir, "BF16", 3) + ["--kt-expert-placement-strategy", "heat"]
+    args += ["--kt-heat-interval-steps", "1", "--kt-heat-half-life-steps", "4"]
+    outs, log = _serve_and_generate(model_dir, args, prompts, tmp_path / "server.log")
+    assert "hot experts per MoE layer 3 (heat placement)" in log
+    assert "kt-sglang: placement by heat: " in log  # the first moves were committed
+    assert outs == [hf for _, hf in prompts]
+
+
 def test_mixtral_bf16_greedy_ids_equal_hf(mixtral, tmp_path):
     model_dir, prompts = mixtral
     outs, log = _serve_and_generate(model_dir, _kt(model_dir, "BF16", 3), prompts, tmp_path / "server.log")
@@ -418,6 +430,18 @@ def _launch_error(args: list[str]) -> subprocess.CompletedProcess:
             ["--kt-expert-lora-path", "/nonexistent"],
             "--kt-expert-lora-path: /nonexistent is not a PEFT adapter",
         ),
+        (
+            [
+                "--kt-expert-placement-strategy",
+                "heat",
+                "--kt-num-gpu-experts",
+                "2",
+                "--kt-heat-max-moves",
+                "0",
+            ],
+            "--kt-heat-max-moves 0: use an integer >= 1",
+        ),
+        (["--kt-gpu-experts-memory-gib", "-2"], "--kt-gpu-experts-memory-gib -2.0: use a number of GiB > 0"),
     ],
 )
 def test_bad_flags_stop_the_launcher_with_one_message(qwen, flags, message):

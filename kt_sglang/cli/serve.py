@@ -46,7 +46,9 @@ def build_serve_command(model: str, user_args: list[str], method: str | None = N
     default("--kt-threadpool-count", len(machine_nodes()))
     if torch.cuda.is_available():
         free, _ = torch.cuda.mem_get_info()
-        if not flag_given(user_args, "--kt-gpu-experts-ratio"):
+        if not any(
+            flag_given(user_args, f) for f in ("--kt-gpu-experts-ratio", "--kt-gpu-experts-memory-gib")
+        ):
             default("--kt-num-gpu-experts", hot_experts_for_gpu(model, free))
     else:
         default("--kt-num-gpu-experts", 0)

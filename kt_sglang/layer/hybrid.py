@@ -17,12 +17,16 @@ the torch twins and the engine directly.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from kt_sglang.engine.inference import InferenceMoEWrapper
 from kt_sglang.kernels import hot_moe, split_routing
 from kt_sglang.layer.prefill import GpuPrefill, PackedExperts
+
+if TYPE_CHECKING:
+    from kt_sglang.placement.heat import ExpertHeat, ExpertSlots
 
 # hidden [T, H], slot_ids [T, k] (GPU slot of each hot selection, -1 elsewhere), weights [T, k]
 # -> fp32 [T, H]
@@ -72,7 +76,8 @@ class HybridMoELayer(torch.nn.Module):
     each hot expert, -1 for cold ones; w13 ``[S, 2I, H]`` / w2 ``[S, H, I]``: the hot experts' weights
     by slot; chain: shared by the model's MoE layers; deferral_max_tokens: the largest batch that
     defers (above it the deferred task would only add a dispatch and a second pass over weights the
-    immediate task reads; None: every batch)."""
+    immediate task reads; None: every batch); heat: counts the layer's routing for placement by heat
+    (kt_sglang/placement/heat.py; w13 / w2 then also hold its spare slots)."""
 
     def __init__(
         self,
@@ -83,6 +88,7 @@ class HybridMoELayer(torch.nn.Module):
         chain: DeferralChain,
         max_deferred_experts_per_token: int = 0,
         deferral_max_tokens: int | None = DEFERRAL_MAX_TOKENS,
+        heat: ExpertHeat | None = None,
     ) -> None:
         super().__init__()
         E, k = experts.num_experts, experts.num_experts_per_tok
@@ -99,12 +105,15 @@ class HybridMoELayer(torch.nn.Module):
         # The engine's partial sums stay fp32 until they meet the hot ones: one rounding per layer.
         experts.output_dtype = torch.float32
         self.register_buffer("gpu_slot_of", gpu_slot_of.to(torch.int64), persistent=False)
-        # On the host too: which experts a streamed prefill leaves out (reading the device's would sync)
-        self.hot_experts = frozenset(int(e) for e in (gpu_slot_of >= 0).nonzero().flatten().tolist())
+        # The slot table on the host too (reading the device's would sync): which experts a streamed
+        # prefill leaves out. Placement by heat sets `slots`, whose table follows its moves.
+        self._host_slot_of = gpu_slot_of.to("cpu", torch.int64)
+        self.slots: ExpertSlots | None = None
         self.w13, self.w2 = w13, w2
         self.chain = chain
         self.max_deferred = max_deferred_experts_per_token
         self.deferral_max_tokens = deferral_max_tokens
+        self.heat = heat
         self.next_moe: HybridMoELayer | None = None  # set by link()
         # Long prompts' cold experts streamed to the GPU (enable_gpu_prefill); None: the engine's.
         self.prefill: GpuPrefill | None = None
@@ -117,6 +126,12 @@ class HybridMoELayer(torch.nn.Module):
             a.next_moe = b
         if layers:
             layers[-1].next_moe = None
+
+    @property
+    def hot_experts(self) -> frozenset[int]:
+        """The experts in GPU slots, from the host's copy of the slot table."""
+        table = self.slots.table if self.slots is not None else self._host_slot_of
+        return frozenset((table >= 0).nonzero().flatten().tolist())
 
     @staticmethod
     def enable_gpu_prefill(layers: list[HybridMoELayer], prefill: GpuPrefill) -> None:
@@ -151,6 +166,8 @@ class HybridMoELayer(torch.nn.Module):
         if self._streams(hidden.shape[0]):
             return self._streamed_forward(hidden, topk_ids, topk_weights, hot)
         stream = _stream_of(hidden)
+        if self.heat is not None:
+            self.heat.record(topk_ids, num_tokens)
         self.chain.drop_stale(self, hidden)  # before our own deferred submission reuses the buffers
         defers = self.next_moe is not None and (
             self.deferral_max_tokens is None or hidden.shape[0] <= self.deferral_max_tokens

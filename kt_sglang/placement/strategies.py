@@ -4,6 +4,8 @@
 - ``front-loading``: whole layers first, in layer order, until the budget is spent.
 - ``random``: the same count in every layer, experts drawn with a fixed seed.
 - ``frequency``: the same count in every layer, the experts routed to most often (statistics file).
+- ``heat``: starts as ``frequency`` with a statistics file, else as ``uniform``; then the hot set
+  follows the routing while serving (placement/heat.py).
 """
 
 from __future__ import annotations
@@ -14,7 +16,19 @@ import torch
 
 from kt_sglang.placement.stats import PlacementStats
 
-STRATEGIES = ("uniform", "frequency", "front-loading", "random")
+STRATEGIES = ("uniform", "frequency", "front-loading", "random", "heat")
+
+GIB = 1 << 30
+
+
+def expert_bytes(hidden_size: int, intermediate_size: int, itemsize: int) -> int:
+    """The GPU bytes of one routed expert: gate, up and down, ``itemsize`` bytes a weight."""
+    return 3 * hidden_size * intermediate_size * itemsize
+
+
+def slots_for_memory(memory_gib: float, num_moe_layers: int, one_expert: int, num_experts: int) -> int:
+    """GPU slots per MoE layer that ``memory_gib`` holds over all MoE layers (at most every expert)."""
+    return min(num_experts, int(memory_gib * GIB) // (max(num_moe_layers, 1) * one_expert))
 
 
 def plan_hot_experts(
@@ -28,6 +42,8 @@ def plan_hot_experts(
     """Hot expert ids (sorted) of every MoE layer; ``total_hot`` is over all layers."""
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown placement strategy {strategy!r}; use one of {list(STRATEGIES)}")
+    if strategy == "heat":  # its starting set
+        strategy = "frequency" if stats is not None else "uniform"
     capacity = num_experts * len(moe_layers)
     if not 0 <= total_hot <= capacity:
         raise ValueError(

@@ -9,6 +9,7 @@ It installs hooks through SGLang's `HookRegistry` (no fork, no edits to SGLang's
   at all; AROUND `FusedMoE.weight_loader`: the same for a tensor of all experts (gpt-oss's MXFP4);
 - AFTER `ModelRunner.load_model`: attach and link the model's MoE layers (deferral chain), check
   that our wrapper is the one SGLang built, log one line;
+- AFTER `ModelRunner.forward`: with placement by heat, re-choose the hot experts between steps;
 - the decode CUDA-graph runner's batch sizes reach our pinned buffers;
 - AROUND `TokenizerManager._validate_one_request`: requests that would kill the scheduler (no
   tokens, token ids outside the vocabulary, more top log-probabilities than the vocabulary) get a
@@ -61,6 +62,9 @@ def register() -> None:
         "sglang.srt.model_executor.model_runner.ModelRunner.load_model",
         hooks.after_load_model,
         HookType.AFTER,
+    )
+    HookRegistry.register(
+        "sglang.srt.model_executor.model_runner.ModelRunner.forward", hooks.after_forward, HookType.AFTER
     )
     HookRegistry.register(
         "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request",

@@ -22,6 +22,7 @@ logger = logging.getLogger("kt_sglang")
 
 
 _checked_early = False  # register() checked this process's flags already
+HEAT_LOG_STEPS = 4096  # placement by heat logs its moves at the first and every this many steps
 
 
 def check_flags_early(argv: list[str]) -> None:
@@ -110,6 +111,9 @@ def weight_loader_impl(original, layer, *args, **kwargs):
         return original(layer, *args, **kwargs)
     names = ("param", "loaded_weight", "weight_name", "shard_id", "expert_id")
     bound = dict(zip(names, args, strict=False)) | kwargs
+    host = method.host_copy_of(bound["param"])
+    if host is not None:  # placement by heat: every expert's GPU weights also on the host
+        original(layer, **(bound | {"param": host}))
     slot = method.gpu_slot(int(bound["expert_id"]))
     if slot < 0:
         return None
@@ -140,7 +144,7 @@ def after_load_model(result, model_runner, *args, **kwargs):
 
     from kt_sglang.engine.native import _native
     from kt_sglang.layer.hybrid import DeferralChain, HybridMoELayer
-    from kt_sglang.sglang.method import KTEPWrapperMethod
+    from kt_sglang.sglang.method import KTEPWrapperMethod, heat_placement
 
     settings = KtSettings.from_env()
     if settings is None:
@@ -158,6 +162,8 @@ def after_load_model(result, model_runner, *args, **kwargs):
         m.quant_method.attach(m, chain)
     hybrids = [m.quant_method.hybrid for m in ours if m.quant_method.hybrid is not None]
     HybridMoELayer.link(hybrids)
+    # placement by heat: re-chosen between forward steps (after_forward)
+    model_runner.kt_heat_placement = heat_placement([m.quant_method for m in ours], settings)
     if settings.gpu_prefill_threshold is not None and hybrids:
         enable_gpu_prefill(hybrids, settings)
     hot = [m.quant_method.num_hot for m in ours]
@@ -202,6 +208,20 @@ def enable_gpu_prefill(layers, settings: KtSettings) -> None:
     HybridMoELayer.enable_gpu_prefill(
         layers, GpuPrefill(threshold, device, None if cap is None else int(cap * 2**30))
     )
+
+
+def after_forward(result, model_runner, *args, **kwargs):
+    """Placement by heat: a step of the model's placement after each forward."""
+    placement = getattr(model_runner, "kt_heat_placement", None)
+    if placement is not None:
+        moved = placement.step()
+        if (moved and placement.moves == moved) or placement.steps % HEAT_LOG_STEPS == 0:
+            logger.info(
+                "kt-sglang: placement by heat: %d expert moves in %d forward steps",
+                placement.moves,
+                placement.steps,
+            )
+    return result
 
 
 def connect_cuda_graph_batch_sizes() -> None:

@@ -2,8 +2,10 @@
 
 It REPLACEs `sglang.srt.layers.moe.kt_ep_wrapper.KTEPWrapperMethod` (same name: SGLang's loader
 checks the class name) with the same constructor `(gpu_method, kt_config)`. The hot experts of the
-layer (any placement, not only ids 0..N-1) live in GPU slots of the wrapped method's weights; all
-experts live in the CPU engine, which computes the cold ones. The forward is the standalone
+layer (any placement, not only ids 0..N-1) live in GPU slots of the wrapped method's weights; the
+CPU engine holds and computes the cold ones (every expert with placement by heat, where the hot set
+changes while serving: the layer then also keeps a pinned host copy of every expert's GPU weights,
+from which moves refill its spare slots). The forward is the standalone
 `HybridMoELayer`, whose hot path here is SGLang's GPU method (or, with `--device cpu`, the layer's
 masked torch path: SGLang's CPU fallback crashes on -1 expert ids).
 """
@@ -19,7 +21,17 @@ from kt_sglang.engine.activation import SILU, Glu
 from kt_sglang.engine.inference import InferenceMoEWrapper
 from kt_sglang.engine.wrapper import KTMoEWrapper
 from kt_sglang.layer.hybrid import DEFERRAL_MAX_TOKENS, DeferralChain, HotExperts, HybridMoELayer
-from kt_sglang.placement import PlacementStats, StatsRecorder, plan_hot_experts, slot_map
+from kt_sglang.placement import (
+    ExpertHeat,
+    ExpertSlots,
+    HeatPlacement,
+    PlacementStats,
+    StatsRecorder,
+    plan_hot_experts,
+    slot_map,
+)
+from kt_sglang.placement.heat import spare_slots
+from kt_sglang.placement.strategies import expert_bytes
 from kt_sglang.sglang.settings import KtSettings, model_facts
 
 logger = logging.getLogger("kt_sglang")
@@ -63,7 +75,9 @@ def runner_activation(moe_runner_config) -> Glu:
     )
 
 
-def hot_experts_of_layer(settings: KtSettings, layer_idx: int, num_experts: int) -> list[int]:
+def hot_experts_of_layer(
+    settings: KtSettings, layer_idx: int, num_experts: int, one_expert_bytes: int
+) -> list[int]:
     from sglang.srt.runtime_context import get_server_args
 
     facts = model_facts(get_server_args().model_path)
@@ -75,10 +89,16 @@ def hot_experts_of_layer(settings: KtSettings, layer_idx: int, num_experts: int)
         settings.placement_strategy,
         moe_layers,
         num_experts,
-        settings.total_hot(num_experts, len(moe_layers)),
+        settings.total_hot(num_experts, len(moe_layers), one_expert_bytes),
         stats,
     )
     return plan[layer_idx]
+
+
+def heat_placement(methods: list[KTEPWrapperMethod], settings: KtSettings) -> HeatPlacement | None:
+    """One model's placement by heat over its attached layers; None with another placement."""
+    layers = [m.heat for m in methods if m.heat is not None]
+    return HeatPlacement(settings.heat_config(), layers) if layers else None
 
 
 class KTEPWrapperMethod(FusedMoEMethodBase):
@@ -99,6 +119,10 @@ class KTEPWrapperMethod(FusedMoEMethodBase):
         self.hot_experts: list[int] = []
         self.gpu_slot_of: torch.Tensor | None = None
         self.num_hot = 0
+        self.num_slots = 0  # the hot experts' and, with placement by heat, the spare ones
+        # placement by heat: (GPU parameter, its host copy of every expert) per weight tensor
+        self.host_weights: list[tuple[torch.nn.Parameter, torch.nn.Parameter]] | None = None
+        self.heat: tuple[ExpertHeat, ExpertSlots] | None = None  # set by attach()
         # SGLang's loader drops experts with id >= num_gpu_experts unless it is -1: our placement
         # decides instead (the _weight_loader_impl hook maps ids to slots).
         self.num_gpu_experts = -1
@@ -118,17 +142,20 @@ class KTEPWrapperMethod(FusedMoEMethodBase):
         **extra_weight_attrs,
     ) -> None:
         self.global_num_experts = num_experts
-        self.hot_experts = hot_experts_of_layer(self.settings, self.layer_idx, num_experts)
+        one = expert_bytes(hidden_size, intermediate_size_per_partition, params_dtype.itemsize)
+        self.hot_experts = hot_experts_of_layer(self.settings, self.layer_idx, num_experts, one)
         self.gpu_slot_of = slot_map(self.hot_experts, num_experts)
         self.num_hot = len(self.hot_experts)
-        self.gpu_method.num_gpu_experts = self.num_hot
+        by_heat = self.settings.placement_strategy == "heat"
+        self.num_slots = self.num_hot + self.settings.spare_slots(self.num_hot, num_experts)
+        self.gpu_method.num_gpu_experts = self.num_slots
         # Some GPU methods (SGLang's MXFP4 one, gpt-oss) size their weights by the layer's
-        # num_local_experts, not by num_experts: they too hold the hot experts only.
-        num_local_experts, layer.num_local_experts = layer.num_local_experts, self.num_hot
+        # num_local_experts, not by num_experts: they too hold the slots only.
+        num_local_experts, layer.num_local_experts = layer.num_local_experts, self.num_slots
         try:
             self.gpu_method.create_weights(
                 layer=layer,
-                num_experts=self.num_hot,
+                num_experts=self.num_slots,
                 hidden_size=hidden_size,
                 intermediate_size_per_partition=intermediate_size_per_partition,
                 params_dtype=params_dtype,
@@ -136,6 +163,8 @@ class KTEPWrapperMethod(FusedMoEMethodBase):
             )
         finally:
             layer.num_local_experts = num_local_experts
+        if by_heat:
+            self.host_weights = self._host_copies(layer, num_experts)
         if self.tp_rank == 0:
             s = self.settings
             self.wrapper = KTMoEWrapper(
@@ -144,7 +173,9 @@ class KTEPWrapperMethod(FusedMoEMethodBase):
                 num_experts_per_tok=layer.top_k,
                 hidden_size=hidden_size,
                 moe_intermediate_size=layer.intermediate_size_per_partition * layer.moe_tp_size,
-                gpu_experts_mask=self.gpu_slot_of >= 0,  # the hot experts: not held, not read here
+                # the hot experts are neither held nor read here, unless placement by heat may make
+                # any of them cold
+                gpu_experts_mask=None if by_heat else self.gpu_slot_of >= 0,
                 cpuinfer_threads=s.cpuinfer,
                 threadpool_count=s.threadpool_count,
                 weight_path=s.weight_path,
@@ -158,6 +189,38 @@ class KTEPWrapperMethod(FusedMoEMethodBase):
             global _recorder
             if _recorder is None:
                 _recorder = StatsRecorder(self.settings.record_placement_stats, num_experts)
+
+    def _host_copies(
+        self, layer: torch.nn.Module, num_experts: int
+    ) -> list[tuple[torch.nn.Parameter, torch.nn.Parameter]]:
+        """Placement by heat: a host copy of every expert's GPU weights, filled by the loader hook.
+        Only unquantized GPU experts (SGLang's UnquantizedFusedMoEMethod) are copied as loaded."""
+        from sglang.srt.layers.quantization.unquant import UnquantizedFusedMoEMethod
+
+        biases = [n for n in ("w13_weight_bias", "w2_weight_bias") if getattr(layer, n, None) is not None]
+        if not isinstance(self.gpu_method, UnquantizedFusedMoEMethod) or biases:
+            why = f"biases ({', '.join(biases)})" if biases else type(self.gpu_method).__name__
+            raise ValueError(
+                f"MoE layer {self.layer_idx}: --kt-expert-placement-strategy heat moves unquantized GPU "
+                f"experts without biases (bf16 / fp16); this layer's have {why}: use another placement"
+            )
+        copies = []
+        for name in ("w13_weight", "w2_weight"):
+            param = getattr(layer, name)
+            host = torch.empty(
+                (num_experts, *param.shape[1:]), dtype=param.dtype, pin_memory=torch.cuda.is_available()
+            )
+            twin = torch.nn.Parameter(host, requires_grad=False)
+            twin.__dict__.update(param.__dict__)  # the loader's attributes (weight_loader, ...)
+            copies.append((param, twin))
+        return copies
+
+    def host_copy_of(self, param: torch.nn.Parameter) -> torch.nn.Parameter | None:
+        """The host copy of every expert that the loader fills beside ``param`` (heat only)."""
+        for gpu, host in self.host_weights or ():
+            if gpu is param:
+                return host
+        return None
 
     def gpu_slot(self, expert_id: int) -> int:
         """The loader's checkpoint expert id -> its GPU slot, -1 when the expert is cold."""
@@ -221,10 +284,10 @@ class KTEPWrapperMethod(FusedMoEMethodBase):
         if self.wrapper is not None:
             self._check_hot_on_cpu(layer)
             w13, w2 = getattr(layer, "w13_weight", None), getattr(layer, "w2_weight", None)
-            if not self.num_hot or w13 is None or w2 is None:
+            if not self.num_slots or w13 is None or w2 is None:
                 # None hot, or (on CUDA) the GPU method keeps them in a layout of its own (SGLang's
                 # triton_kernels MXFP4 replaces both after loading): its apply() reads them, not ours.
-                w13 = w2 = torch.zeros(self.num_hot, 0, 0)
+                w13 = w2 = torch.zeros(self.num_slots, 0, 0)
             limit = self.settings.deferral_max_batch
             self.hybrid = HybridMoELayer(
                 self.wrapper,
@@ -235,6 +298,28 @@ class KTEPWrapperMethod(FusedMoEMethodBase):
                 self.max_deferred,
                 DEFERRAL_MAX_TOKENS if limit is None else limit,
             )
+            if self.host_weights is not None:
+                self._attach_heat(layer)
+
+    def _attach_heat(self, layer: torch.nn.Module) -> None:
+        """The layer's routing heat and its slots, refilled from the host copies (placement by heat)."""
+        gpu = [getattr(layer, name).data for name in ("w13_weight", "w2_weight")]
+        host = []
+        for g, (_, twin) in zip(gpu, self.host_weights, strict=True):
+            h = twin.data
+            if g.dtype != h.dtype and g.dtype.is_floating_point and h.dtype.is_floating_point:
+                h = h.to(g.dtype).pin_memory() if g.is_cuda else h.to(g.dtype)  # a model-wide .to(dtype)
+            host.append(h)
+            if g.shape[1:] != h.shape[1:] or g.dtype != h.dtype:
+                raise ValueError(
+                    f"MoE layer {self.layer_idx}: SGLang's GPU method changed its experts' layout after "
+                    f"loading ({tuple(h.shape[1:])} {h.dtype} -> {tuple(g.shape[1:])} {g.dtype}): "
+                    "--kt-expert-placement-strategy heat cannot refill its slots; use another placement"
+                )
+        self.hybrid.heat = ExpertHeat(self.global_num_experts, gpu[0].device)
+        slot_of = self.hybrid.gpu_slot_of
+        self.hybrid.slots = ExpertSlots(slot_of, gpu, host, spare_slots(slot_of, self.num_slots))
+        self.heat = (self.hybrid.heat, self.hybrid.slots)
 
     def _check_hot_on_cpu(self, layer: torch.nn.Module) -> None:
         """On the CPU device the hot experts run the hybrid layer's torch path (plain SiLU, gate and
@@ -274,7 +359,7 @@ class KTEPWrapperMethod(FusedMoEMethodBase):
                 "this model's checkpoint"
             )
         self.moe_runner_config = moe_runner_config
-        moe_runner_config.num_local_experts = self.num_hot
+        moe_runner_config.num_local_experts = self.num_slots
         # DeepSeek / GLM multiply the MoE output by routed_scaling_factor in the model when this
         # wrapper is active: the GPU runner must not apply it a second time.
         moe_runner_config.routed_scaling_factor = None
@@ -308,7 +393,7 @@ class KTEPWrapperMethod(FusedMoEMethodBase):
         """The hot experts through SGLang's wrapped GPU method, with the slots as its expert ids."""
 
         def hot(hidden: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-            if self.num_hot == 0:
+            if self.num_slots == 0:
                 return torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
             topk = dispatch_output.topk_output
             hot_topk = topk._replace(topk_ids=slot_ids.to(topk.topk_ids.dtype))
@@ -319,6 +404,6 @@ class KTEPWrapperMethod(FusedMoEMethodBase):
 
     def __getattr__(self, name: str):
         # SGLang reads the wrapped method's attributes through the wrapper (as upstream's does).
-        if name in ("gpu_method", "wrapper", "kt_config", "settings", "hybrid"):
+        if name in ("gpu_method", "wrapper", "kt_config", "settings", "hybrid", "host_weights", "heat"):
             raise AttributeError(name)
         return getattr(self.gpu_method, name)

@@ -11,12 +11,27 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kt_sglang.placement.heat import HeatConfig
 
 ENV_VAR = "KT_SGLANG_SETTINGS"
+# --kt-heat-<field> for each field of placement.heat.HeatConfig (its defaults and checks are the flags')
+HEAT_FLAG_PREFIX = "--kt-heat-"
+HEAT_HELP = {
+    "half_life_steps": "placement by heat: forward steps after which a routed selection counts half",
+    "margin": "placement by heat: a cold expert replaces a hot one when (1 + margin) times as hot, "
+    "plus one selection",
+    "interval_steps": "placement by heat: forward steps between two re-choices of the hot set",
+    "max_moves": "placement by heat: experts moved per MoE layer per re-choice; each layer keeps as "
+    "many spare GPU slots",
+}
 CPU_DEVICE_ENV_VAR = "KT_SGLANG_CPU_DEVICE"  # set when SGLang serves with --device cpu
 
 
@@ -43,6 +58,8 @@ class KtSettings:
     # start-up; None: never (kt_sglang/layer/prefill.py)
     gpu_prefill_threshold: int | str | None = None
     gpu_prefill_buffer_gib: float | None = None  # cap of the streaming buffer; None: two layers
+    gpu_experts_memory_gib: float | None = None  # GPU slots of all MoE layers, instead of a count
+    heat: dict[str, float | int] | None = None  # the --kt-heat-* flags given (HeatConfig fields)
 
     def to_env(self) -> None:
         os.environ[ENV_VAR] = json.dumps(asdict(self))
@@ -52,15 +69,42 @@ class KtSettings:
         raw = os.environ.get(ENV_VAR)
         return cls(**json.loads(raw)) if raw else None
 
-    def total_hot(self, num_experts: int, num_moe_layers: int) -> int:
+    def heat_config(self) -> HeatConfig:
+        from kt_sglang.placement.heat import HeatConfig
+
+        return HeatConfig(**(self.heat or {}))
+
+    def spare_slots(self, hot: int, num_experts: int) -> int:
+        """The spare GPU slots a layer of ``hot`` hot experts keeps (placement by heat only)."""
+        if self.placement_strategy != "heat":
+            return 0
+        return min(self.heat_config().max_moves, num_experts - hot)
+
+    def total_hot(self, num_experts: int, num_moe_layers: int, one_expert_bytes: int | None = None) -> int:
+        """Hot experts over all MoE layers; with --kt-gpu-experts-memory-gib, from the bytes of one
+        expert on the GPU (its slots less the spares of placement by heat, per layer)."""
+        if self.gpu_experts_memory_gib is not None:
+            from kt_sglang.placement.strategies import slots_for_memory
+
+            if one_expert_bytes is None:
+                raise ValueError("--kt-gpu-experts-memory-gib: the bytes of one expert are needed")
+            slots = slots_for_memory(
+                self.gpu_experts_memory_gib, num_moe_layers, one_expert_bytes, num_experts
+            )
+            spares = min(self.heat_config().max_moves, slots) if self.placement_strategy == "heat" else 0
+            return (slots - spares) * num_moe_layers
         if self.gpu_experts_ratio is not None:
             return round(self.gpu_experts_ratio * num_experts * num_moe_layers)
         return (self.num_gpu_experts or 0) * num_moe_layers
 
 
+def heat_flag(field: str) -> str:
+    return HEAT_FLAG_PREFIX + field.replace("_", "-")
+
+
 def add_extra_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     """Our flags, beyond the ones SGLang declares."""
-    from kt_sglang.placement import STRATEGIES
+    from kt_sglang.placement import STRATEGIES, HeatConfig
 
     parser.add_argument(
         "--kt-numa-nodes",
@@ -76,12 +120,26 @@ def add_extra_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGrou
         help="hot experts as a fraction of all experts of all MoE layers (instead of --kt-num-gpu-experts)",
     )
     parser.add_argument(
+        "--kt-gpu-experts-memory-gib",
+        type=float,
+        default=None,
+        help="GPU memory for the routed experts' slots, in GiB over all MoE layers (instead of "
+        "--kt-num-gpu-experts): slots per layer = this / (MoE layers x the bytes of one expert)",
+    )
+    parser.add_argument(
         "--kt-expert-placement-strategy",
         choices=STRATEGIES,
         default="uniform",
         help="which experts are hot: the same ids in every layer (uniform), whole layers first "
-        "(front-loading), seeded random ids (random), or the most routed ones (frequency)",
+        "(front-loading), seeded random ids (random), the most routed ones (frequency), or those "
+        "routed to most lately, re-chosen while serving (heat)",
     )
+    defaults = HeatConfig()
+    for field in HeatConfig.field_names():
+        default = getattr(defaults, field)
+        parser.add_argument(
+            heat_flag(field), type=type(default), default=None, help=f"{HEAT_HELP[field]} (default {default})"
+        )
     parser.add_argument(
         "--kt-placement-stats", default=None, help="routing statistics file read by the frequency strategy"
     )
@@ -281,6 +339,18 @@ def resolve(server_args, extra: argparse.Namespace, argv: list[str]) -> KtSettin
             )
     if extra.kt_expert_placement_strategy == "frequency" and not extra.kt_placement_stats:
         raise KtSettingsError("--kt-expert-placement-strategy frequency needs --kt-placement-stats FILE")
+    memory = extra.kt_gpu_experts_memory_gib
+    if memory is not None and (n_gpu is not None or ratio is not None):
+        given = "--kt-num-gpu-experts" if n_gpu is not None else "--kt-gpu-experts-ratio"
+        raise KtSettingsError(f"give --kt-gpu-experts-memory-gib or {given}, not both")
+    if memory is not None and not (math.isfinite(memory) and memory > 0):
+        raise KtSettingsError(f"--kt-gpu-experts-memory-gib {memory}: use a number of GiB > 0")
+    heat = check_heat_flags(extra, n_gpu, ratio, memory)
+    if heat is not None and extra.kt_expert_lora_path:
+        raise KtSettingsError(
+            "--kt-expert-lora-path with --kt-expert-placement-strategy heat: the adapter is merged into "
+            "the hot experts' GPU weights only, not into the host copies moves read; use another placement"
+        )
     settings = KtSettings(
         weight_path=str(weight_path),
         method=method,
@@ -297,6 +367,8 @@ def resolve(server_args, extra: argparse.Namespace, argv: list[str]) -> KtSettin
         deferral_max_batch=extra.kt_deferral_max_batch,
         gpu_prefill_threshold=prefill_threshold,
         gpu_prefill_buffer_gib=extra.kt_gpu_prefill_buffer_gib,
+        gpu_experts_memory_gib=memory,
+        heat=heat,
     )
     check_against_model(settings, server_args.model_path)
     if settings.expert_lora_path:
@@ -321,6 +393,35 @@ def parse_prefill_threshold(value: str | None) -> int | str | None:
     return tokens
 
 
+def check_heat_flags(
+    extra: argparse.Namespace, n_gpu: int | None, ratio: float | None, memory: float | None
+) -> dict[str, float | int] | None:
+    """The --kt-heat-* flags given, checked as `HeatConfig` checks its fields; None unless the
+    placement is heat."""
+    from kt_sglang.placement import HeatConfig, HeatConfigError
+
+    given = {
+        field: getattr(extra, "kt_heat_" + field)
+        for field in HeatConfig.field_names()
+        if getattr(extra, "kt_heat_" + field) is not None
+    }
+    if extra.kt_expert_placement_strategy != "heat":
+        if given:
+            flags = ", ".join(heat_flag(f) for f in given)
+            raise KtSettingsError(f"{flags}: only with --kt-expert-placement-strategy heat")
+        return None
+    try:
+        HeatConfig(**given)
+    except HeatConfigError as exc:
+        raise KtSettingsError(f"{heat_flag(exc.field)} {exc.detail}") from None
+    if (n_gpu or 0) == 0 and not ratio and memory is None:
+        raise KtSettingsError(
+            "--kt-expert-placement-strategy heat moves experts in and out of GPU slots: give them some "
+            "with --kt-num-gpu-experts N (N >= 1), --kt-gpu-experts-ratio or --kt-gpu-experts-memory-gib"
+        )
+    return given
+
+
 def check_expert_adapter(settings: KtSettings) -> None:
     """The adapter opens, and the CPU experts can take it: it is merged into dense weights before the
     engine quantizes them, so --kt-weight-path must be a checkpoint of bf16 / fp16 / fp32 (or FP8)
@@ -343,6 +444,25 @@ def check_expert_adapter(settings: KtSettings) -> None:
         raise KtSettingsError(
             f"--kt-expert-lora-path with a converted --kt-weight-path ({settings.weight_path}): the adapter "
             "is merged before quantizing; point --kt-weight-path at the model's checkpoint instead"
+        )
+
+
+def check_memory_budget(settings: KtSettings, model_path: str, facts: ModelFacts) -> None:
+    """--kt-gpu-experts-memory-gib holds at least one hot expert per MoE layer (in bf16: quantized
+    GPU experts take fewer bytes, and more of them fit)."""
+    from kt_sglang.placement.strategies import GIB, expert_bytes
+    from kt_sglang.weights.checkpoint import open_checkpoint
+
+    spec = open_checkpoint(model_path).spec
+    one = expert_bytes(spec.hidden_size, spec.intermediate_size, 2)
+    layers = len(facts.moe_layers)
+    if settings.total_hot(facts.num_experts, layers, one) == 0:
+        spares = settings.heat_config().max_moves if settings.placement_strategy == "heat" else 0
+        raise KtSettingsError(
+            f"--kt-gpu-experts-memory-gib {settings.gpu_experts_memory_gib} holds no hot expert: one "
+            f"expert takes {one / GIB * 1024:.2f} MiB on the GPU, {layers} MoE layers need "
+            f"{(1 + spares) * one * layers / GIB:.3f} GiB for one each"
+            + (f" (and {spares} spare slot(s) each for placement by heat)" if spares else "")
         )
 
 
@@ -372,6 +492,8 @@ def check_against_model(settings: KtSettings, model_path: str) -> None:
     if facts is None:
         return
     E, k = facts.num_experts, facts.top_k
+    if settings.gpu_experts_memory_gib is not None:
+        check_memory_budget(settings, model_path, facts)
     if settings.num_gpu_experts is not None and settings.num_gpu_experts > E:
         raise KtSettingsError(
             f"--kt-num-gpu-experts {settings.num_gpu_experts} is more than the model's {E} experts per layer"

@@ -113,7 +113,7 @@ StreamForward::StreamForward(MoeLayer& layer, std::shared_ptr<Runner> runner, co
 
 StreamForward::~StreamForward() {
   if (armed_.load()) SignalThread::instance().remove(this);
-  if (signal_task_ != 0) runner_->wait_done(signal_task_);
+  if (const uint64_t task = signal_task_.load(); task != 0) runner_->wait_done(task);
 }
 
 void StreamForward::arm() {
@@ -151,26 +151,31 @@ void StreamForward::sync(std::optional<uintptr_t> stream) {
   check();
 }
 
+bool StreamForward::collect(uint64_t task) {
+  if (!signal_task_.compare_exchange_strong(task, 0, std::memory_order_acq_rel)) return false;
+  try {
+    runner_->wait(task);  // finished: takes its error, if any
+  } catch (...) {
+    keep(std::current_exception());
+  }
+  signalled_.fetch_add(1, std::memory_order_release);
+  return true;
+}
+
 bool StreamForward::poll(bool& busy) {
   bool progress = false;
-  if (signal_task_ != 0) {
-    if (!runner_->finished(signal_task_)) {
+  if (const uint64_t task = signal_task_.load(std::memory_order_acquire); task != 0) {
+    if (!runner_->finished(task)) {
       busy = true;
       return false;
     }
-    try {
-      runner_->wait(std::exchange(signal_task_, 0));  // finished: collects its error, if any
-    } catch (...) {
-      keep(std::current_exception());
-    }
-    signalled_.fetch_add(1, std::memory_order_release);
-    progress = true;
+    progress = collect(task);  // or check() did
   }
   std::atomic_ref<uint32_t> ready(words_[kReady]);
   if (ready.load(std::memory_order_acquire) != 1) return progress;
   ready.store(0, std::memory_order_relaxed);  // before the forward: one wake-up, one forward
   try {
-    signal_task_ = layer_.submit_forward(signal_args_);
+    signal_task_.store(layer_.submit_forward(signal_args_), std::memory_order_release);
     busy = true;
   } catch (...) {
     keep(std::current_exception());
@@ -182,6 +187,10 @@ bool StreamForward::poll(bool& busy) {
 }
 
 void StreamForward::check() {
+  // A forward that set `done` has finished: its error is taken here if the signal thread has not yet.
+  if (const uint64_t task = signal_task_.load(std::memory_order_acquire);
+      task != 0 && runner_->finished(task))
+    collect(task);
   std::exception_ptr error;
   {
     std::lock_guard<std::mutex> lock(mutex_);

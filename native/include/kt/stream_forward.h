@@ -61,15 +61,17 @@ class StreamForward {
   static void on_submit(void* self);
   static void on_sync(void* self);
   void keep(std::exception_ptr error);
+  // Takes finished signal task `task` (its error, its count) unless another thread did; true if so.
+  bool collect(uint64_t task);
 
   MoeLayer& layer_;
   std::shared_ptr<Runner> runner_;
   ForwardArgs args_;
   ForwardArgs signal_args_;  // args_ with done_flag: the signal thread's forwards
   uint32_t* words_;
-  uint64_t device_words_ = 0;      // the words' device address (memory-ops streams)
-  std::atomic<uint64_t> task_{0};  // host functions: 0 when nothing was submitted since the last sync
-  uint64_t signal_task_ = 0;       // signal thread: the forward running, 0 when none
+  uint64_t device_words_ = 0;             // the words' device address (memory-ops streams)
+  std::atomic<uint64_t> task_{0};         // host functions: 0 when nothing was submitted since the last sync
+  std::atomic<uint64_t> signal_task_{0};  // the signal thread's forward running, 0 when none
   std::atomic<uint64_t> signalled_{0};
   std::atomic<bool> armed_{false};
   std::mutex mutex_;
