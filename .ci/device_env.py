@@ -35,7 +35,7 @@ TESTS = [
     f"tests/test_{name}.py"
     for name in (
         "kernels activation vector_ops sft fp8_checkpoint int4_checkpoints mxfp4_checkpoints "
-        "nvfp4_checkpoints moe_accuracy validation amx_model layer_gpu triton_kernels"
+        "nvfp4_checkpoints moe_accuracy validation amx_model layer_gpu triton_kernels heat_placement"
     ).split()
 ]
 # Its scripts, and the package modules its command-line steps reach (doctor, bench).

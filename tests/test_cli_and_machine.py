@@ -11,6 +11,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from kt_sglang.engine.native import _native
 from kt_sglang.engine.pools import plan_pools
@@ -43,6 +44,10 @@ def test_doctor_reports_machine():
     driver = "CUDA driver: found" if _native.cuda_host_launch_available() else "CUDA driver: no CUDA driver"
     assert driver in r.stdout and "llmcompressor" in r.stdout
     assert f"stream signal: {_native.stream_signal()}" in r.stdout
+    if not torch.cuda.is_available():
+        assert "GPU prefill: no GPU" in r.stdout
+    else:
+        assert "GPU prefill: pinned host-to-device" in r.stdout and "auto would stream chunks of" in r.stdout
     ahead = _native.weight_prefetch_bytes()
     assert "decode weight prefetch: " + (f"{ahead} bytes ahead" if ahead else "off") in r.stdout
 

@@ -15,6 +15,7 @@ from kt_sglang.engine.canonical import dequantize, quantize, random_canonical
 from kt_sglang.engine.methods import METHODS, Method
 from kt_sglang.engine.reference import moe_reference, relative_error
 from kt_sglang.layer import DeferralChain, GpuPrefill, HybridMoELayer
+from kt_sglang.layer.prefill import crossover, measure_cpu_tokens_per_s
 
 E, K, H, I = 8, 2, 128, 96
 THRESHOLD = 16
@@ -116,6 +117,23 @@ def test_a_buffer_smaller_than_a_layer_gives_the_same_output(slots):
         torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-3)
 
 
+def test_a_short_chunk_moves_only_its_routed_experts():
+    """Fewer selections than two per held expert: only the experts some token routes to travel."""
+    layers, full = build_model(Method.AMXINT8, [set(), {2}])
+    prefill = GpuPrefill(4, "cpu")
+    HybridMoELayer.enable_gpu_prefill(layers, prefill)
+    copied = []
+    for n, layer in enumerate(layers):
+        x = make_hidden(5, H, seed=n)
+        ids, weights = make_routing(5, E, K, seed=20 + n)
+        before = prefill.stats.experts_copied
+        y = layer(x, ids, weights)
+        copied.append(prefill.stats.experts_copied - before)
+        routed_cold = {int(e) for e in ids.flatten() if e >= 0} - layer.hot_experts
+        assert copied[-1] == len(routed_cold) < E
+        assert relative_error(y, moe_reference(x, *full[n], ids, weights)) <= 0.01
+
+
 def test_a_buffer_too_small_falls_back_to_the_engine(caplog):
     """A buffer that cannot hold two experts: one log line, the engine computes, output unchanged."""
     layers, full = build_model(Method.BF16, [set(), set()])
@@ -142,6 +160,18 @@ def test_a_pending_deferred_task_is_added_before_a_streamed_layer():
     (y, want), _ = run(layers, full, 20)
     assert layers[0].chain._producer is None
     assert relative_error(y, want) <= 0.01
+
+
+def test_auto_threshold_is_the_crossover():
+    """Copying a layer's cold experts takes bytes / bandwidth; the CPU engine takes tokens / rate:
+    auto streams from the chunk size where the two meet. The engine's rate is measured on the layer."""
+    layers, _ = build_model(Method.AMXINT4, [{0}])
+    rate = measure_cpu_tokens_per_s(layers[0].experts, tokens=32)
+    assert rate > 0
+    found = crossover(h2d_gbps=50.0, cpu_tokens_per_s=80_000.0, layer_bytes=300 * 10**6)
+    assert found.threshold == 480  # 6 ms of copies = 480 tokens at 80k tokens/s
+    assert "GPU prefill threshold 480 tokens" in found.line() and "50.0 GB/s" in found.line()
+    assert crossover(1e3, 1.0, 10).threshold == 1  # never below one token
 
 
 def test_bad_threshold_is_refused():

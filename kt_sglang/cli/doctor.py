@@ -208,6 +208,7 @@ def run_doctor(model: str | None = None, method: str = "AMXINT4") -> int:
     except Exception as exc:  # a broken CUDA install should not hide the rest of the report
         advice.append(f"the stream hand-over could not be probed: {exc}")
     print(f"stream signal: {_native.stream_signal_status()}")
+    print(f"GPU prefill: {_gpu_prefill_line(advice)}")
     triton_version = _package_version("triton")
     print(f"triton {triton_version or 'not installed'} (split and hot-expert kernels on CUDA)")
     llmcompressor_version = _package_version("llmcompressor")
@@ -223,3 +224,23 @@ def run_doctor(model: str | None = None, method: str = "AMXINT4") -> int:
         print(f"problem: {line}")
     print("status: " + ("ok" if not problems else f"{len(problems)} problem(s)"))
     return 1 if problems else 0
+
+
+def _gpu_prefill_line(advice: list[str]) -> str:
+    """The pinned copy rate and the threshold `--kt-gpu-prefill-token-threshold auto` would pick for a
+    Qwen3-30B-A3B AMXINT4 layer (measured here), or why there is none."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "no GPU (--kt-gpu-prefill-token-threshold streams experts to one)"
+    from kt_sglang.layer.prefill import reference_crossover
+
+    try:
+        found = reference_crossover()
+    except Exception as exc:  # a broken CUDA install should not hide the rest of the report
+        advice.append(f"the GPU prefill could not be measured: {exc}")
+        return "not measured"
+    return (
+        f"pinned host-to-device {found.h2d_gbps:.1f} GB/s; auto would stream chunks of {found.threshold}+ "
+        f"tokens for a Qwen3-30B-A3B AMXINT4 layer (CPU engine {found.cpu_tokens_per_s:,.0f} tokens/s)"
+    )

@@ -33,6 +33,9 @@ from kt_sglang.kernels.packed import PackedLayout, PackedPool, decode_experts
 logger = logging.getLogger(__name__)
 
 DECODE_BATCH = 16  # experts decoded to bf16 at once: bounds the GPU's scratch (Qwen3-30B-A3B: 150 MB)
+# Chunks with fewer selections than this many per held expert move only their routed experts: below
+# it a good share of the experts is likely routed to by nothing.
+ROUTED_ONLY = 2
 
 
 def _host_bytes(address: int, size: int) -> torch.Tensor:
@@ -221,9 +224,12 @@ class GpuPrefill:
 
     # -- pipeline ------------------------------------------------------------------------------
 
-    def _rounds(self, source: PackedExperts, hot: frozenset[int]) -> list[list[int]]:
-        """The held experts not on the GPU, in groups of as many as a half of the buffer holds."""
-        cold = [e for e in source.held if e not in hot]
+    def _rounds(
+        self, source: PackedExperts, hot: frozenset[int], routed: set[int] | None = None
+    ) -> list[list[int]]:
+        """The held experts not on the GPU (of ``routed``, when given), in groups of as many as a half
+        of the buffer holds."""
+        cold = [e for e in source.held if e not in hot and (routed is None or e in routed)]
         return [cold[i : i + self._slots] for i in range(0, len(cold), self._slots)]
 
     def _stage(self, source: PackedExperts, experts: list[int], busy: _Half | None) -> _Half:
@@ -264,12 +270,17 @@ class GpuPrefill:
         layer's last ones compute."""
         out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
         compute = torch.cuda.current_stream(self.device) if self._copy_stream is not None else None
-        rounds = self._rounds(source, hot)
+        routed = None
+        if cold_ids.numel() < ROUTED_ONLY * len(source.held):
+            # Few selections for the experts (a chunk near a low threshold): read which are routed
+            # (one small copy to the host) and move only those.
+            routed = set(cold_ids[cold_ids >= 0].unique().tolist())
+        rounds = self._rounds(source, hot, routed)
         staged = self._stage(source, rounds[0], None) if rounds else None
         for i, experts in enumerate(rounds):
             if i + 1 < len(rounds):
                 ahead = self._stage(source, rounds[i + 1], staged)
-            elif following is not None and (next_rounds := self._rounds(*following)):
+            elif routed is None and following is not None and (next_rounds := self._rounds(*following)):
                 ahead = self._stage(following[0], next_rounds[0], staged)
             else:
                 ahead = None
@@ -380,6 +391,23 @@ def auto_crossover(
     source = PackedExperts(experts)
     layer_bytes = sum(1 for e in source.held if e not in hot) * source.expert_bytes()
     return crossover(measure_h2d_gbps(device), measure_cpu_tokens_per_s(experts), layer_bytes)
+
+
+def reference_crossover(device: torch.device | str = "cuda", threads: int | None = None) -> Crossover:
+    """What ``auto`` would pick for a Qwen3-30B-A3B AMXINT4 layer on this machine (``kt-sglang
+    doctor``): measured on a 16-expert slice of it, at 64 tokens, which gives each expert the rows a
+    512-token chunk gives the whole layer's 128 (the same work per token, the same efficiency)."""
+    from kt_sglang import KTMoEWrapper
+    from kt_sglang.engine.pools import serving_threads
+
+    E, full_E, k, H, I = 16, 128, 8, 2048, 768
+    gen = torch.Generator().manual_seed(0)
+    experts = KTMoEWrapper(0, E, k, H, I, None, threads or serving_threads(), 1, method="AMXINT4")
+    mats = [(torch.randn(E, N, K, generator=gen) / K**0.5).bfloat16() for N, K in ((I, H), (I, H), (H, I))]
+    experts.load_weights_from_tensors(*mats)
+    per_expert = PackedExperts(experts).expert_bytes()
+    rate = measure_cpu_tokens_per_s(experts, tokens=64)
+    return crossover(measure_h2d_gbps(device), rate, full_E * per_expert)
 
 
 def crossover(h2d_gbps: float, cpu_tokens_per_s: float, layer_bytes: int) -> Crossover:
