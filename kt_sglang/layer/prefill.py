@@ -36,6 +36,9 @@ DECODE_BATCH = 16  # experts decoded to bf16 at once: bounds the GPU's scratch (
 # Chunks with fewer selections than this many per held expert move only their routed experts: below
 # it a good share of the experts is likely routed to by nothing.
 ROUTED_ONLY = 2
+# The staging buffer takes at most this share of the GPU memory free when the first long chunk comes
+# (SGLang's KV cache has taken its share by then); the rest is for the decoded experts and activations.
+FREE_MEMORY_SHARE = 0.5
 
 
 def _host_bytes(address: int, size: int) -> torch.Tensor:
@@ -132,8 +135,9 @@ class GpuPrefill:
     """The streaming path shared by a model's MoE layers (one staging buffer, one copy stream).
 
     ``threshold``: forwards of at least this many tokens use it. ``buffer_bytes``: the staging
-    buffer's size (both halves), None: two of the largest layer. ``device``: where the experts are
-    computed (``cuda`` streams; ``cpu`` decodes the engine's memory in place)."""
+    buffer's size (both halves), None: two of the largest layer, or half the free GPU memory if less.
+    ``device``: where the experts are computed (``cuda``: copies on a stream of their own; ``cpu``:
+    host buffers, copies in order)."""
 
     def __init__(self, threshold: int, device: torch.device | str, buffer_bytes: int | None = None) -> None:
         if threshold < 1:
@@ -177,7 +181,11 @@ class GpuPrefill:
             return False
         per_expert = max(s.expert_bytes() for s in self._layers)
         layer_experts = max(len(s.held) for s in self._layers)
-        wanted = self.buffer_bytes if self.buffer_bytes is not None else 2 * per_expert * layer_experts
+        wanted = self.buffer_bytes
+        if wanted is None:  # two layers, within a share of what the GPU has free now
+            wanted = 2 * per_expert * layer_experts
+            if self.device.type == "cuda":
+                wanted = min(wanted, int(FREE_MEMORY_SHARE * torch.cuda.mem_get_info(self.device)[0]))
         slots = min(max(layer_experts, 1), wanted // (2 * per_expert))
         if slots < 1:
             return self._disable(f"a buffer of {wanted} bytes holds no two experts ({per_expert} bytes each)")
