@@ -72,7 +72,9 @@ DEFERRAL_MAX_TOKENS = 1
 
 
 class HybridMoELayer(torch.nn.Module):
-    """experts: the CPU engine's layer (all experts loaded); gpu_slot_of ``[E]``: the GPU slot of
+    """experts: the CPU engine's layer (all experts loaded), or None where another process computes
+    the cold experts (a tensor-parallel rank other than 0: its output is its share of the hot experts,
+    summed with the others by the framework's all-reduce); gpu_slot_of ``[E]``: the GPU slot of
     each hot expert, -1 for cold ones; w13 ``[S, 2I, H]`` / w2 ``[S, H, I]``: the hot experts' weights
     by slot; chain: shared by the model's MoE layers; deferral_max_tokens: the largest batch that
     defers (above it the deferred task would only add a dispatch and a second pass over weights the
@@ -81,7 +83,7 @@ class HybridMoELayer(torch.nn.Module):
 
     def __init__(
         self,
-        experts: InferenceMoEWrapper,
+        experts: InferenceMoEWrapper | None,
         gpu_slot_of: torch.Tensor,
         w13: torch.Tensor,
         w2: torch.Tensor,
@@ -91,7 +93,8 @@ class HybridMoELayer(torch.nn.Module):
         heat: ExpertHeat | None = None,
     ) -> None:
         super().__init__()
-        E, k = experts.num_experts, experts.num_experts_per_tok
+        E = gpu_slot_of.shape[0] if experts is None else experts.num_experts
+        k = 1 if experts is None else experts.num_experts_per_tok  # no engine: nothing to defer
         if tuple(gpu_slot_of.shape) != (E,):
             raise ValueError(f"gpu_slot_of has shape {tuple(gpu_slot_of.shape)}; expected [{E}]")
         slots = int((gpu_slot_of >= 0).sum())
@@ -102,8 +105,8 @@ class HybridMoELayer(torch.nn.Module):
         if deferral_max_tokens is not None and deferral_max_tokens < 0:
             raise ValueError(f"deferral_max_tokens must be None or >= 0, got {deferral_max_tokens}")
         self.experts = experts
-        # The engine's partial sums stay fp32 until they meet the hot ones: one rounding per layer.
-        experts.output_dtype = torch.float32
+        if experts is not None:  # its partial sums stay fp32 until they meet the hot ones: one rounding
+            experts.output_dtype = torch.float32
         self.register_buffer("gpu_slot_of", gpu_slot_of.to(torch.int64), persistent=False)
         # The slot table on the host too (reading the device's would sync): which experts a streamed
         # prefill leaves out. Placement by heat sets `slots`, whose table follows its moves.
@@ -139,7 +142,7 @@ class HybridMoELayer(torch.nn.Module):
         streaming them to ``prefill.device`` (kt_sglang/layer/prefill.py)."""
         for layer in layers:
             layer.prefill = prefill
-            layer.prefill_source = prefill.add_layer(layer.experts)
+            layer.prefill_source = None if layer.experts is None else prefill.add_layer(layer.experts)
 
     def _streams(self, tokens: int) -> bool:
         prefill = self.prefill
@@ -163,11 +166,14 @@ class HybridMoELayer(torch.nn.Module):
         default; under a CUDA graph captured at a larger size, the replay's real batch size.
         ``hot(hidden, slot_ids, weights)``: the hot experts' fp32 output (a serving framework's own
         GPU kernels: the SGLang plugin passes SGLang's MoE method), `hot_forward` by default."""
+        if self.heat is not None:
+            self.heat.record(topk_ids, num_tokens)
+        if self.experts is None:  # the cold experts are another rank's
+            split = split_routing(topk_ids, topk_weights, self.gpu_slot_of, 0)
+            return (hot or self.hot_forward)(hidden, split.hot_ids, topk_weights).to(hidden.dtype)
         if self._streams(hidden.shape[0]):
             return self._streamed_forward(hidden, topk_ids, topk_weights, hot)
         stream = _stream_of(hidden)
-        if self.heat is not None:
-            self.heat.record(topk_ids, num_tokens)
         self.chain.drop_stale(self, hidden)  # before our own deferred submission reuses the buffers
         defers = self.next_moe is not None and (
             self.deferral_max_tokens is None or hidden.shape[0] <= self.deferral_max_tokens

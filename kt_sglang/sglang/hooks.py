@@ -82,7 +82,31 @@ def prepare_server_args(original, argv: list[str]):
     if server_args.device == "cpu":
         os.environ[CPU_DEVICE_ENV_VAR] = "1"
         enable_cpu_rotary()
+        if settings is not None and (server_args.tp_size or 1) > 1:
+            os.environ.update(cpu_tensor_parallel_environment(server_args.tp_size))
     return server_args
+
+
+def cpu_tensor_parallel_environment(tp_size: int) -> dict[str, str]:
+    """What SGLang 0.5.23's CPU backend needs for --tp-size > 1 here (the worker processes inherit
+    it; a variable already set is kept):
+    - SGLANG_NCCL_SO_PATH at a library that does not exist: its CPU platform builds a NCCL
+      communicator for every group, which fails to initialize with a CUDA build of torch; with no
+      library it disables itself and the CPU all-reduce serves;
+    - SGLANG_CPU_OMP_THREADS_BIND: without it SGLang wants a NUMA node per rank; the cores are split
+      evenly over the ranks instead (a rank's torch threads; the engine's workers, on rank 0, keep
+      their own pinning)."""
+    from kt_sglang.engine.pools import machine_nodes
+
+    env = {"SGLANG_NCCL_SO_PATH": "/nonexistent/kt-sglang-cpu-tensor-parallel/libnccl.so.2"}
+    if tp_size > len(machine_nodes()):
+        cores = sorted(os.sched_getaffinity(0))
+        shares = [
+            cores[r * len(cores) // tp_size : (r + 1) * len(cores) // tp_size] or cores[:1]
+            for r in range(tp_size)
+        ]
+        env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, share)) for share in shares)
+    return {k: v for k, v in env.items() if k not in os.environ}
 
 
 def validate_request(original, manager, obj, input_ids, *args, **kwargs):
@@ -141,6 +165,7 @@ def after_load_model(result, model_runner, *args, **kwargs):
     """Attaches and links the MoE layers of the model just loaded; fails loudly if SGLang built
     upstream's wrapper (or none) while CPU experts were asked for."""
     from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
+    from sglang.srt.runtime_context import get_parallel
 
     from kt_sglang.engine.native import _native
     from kt_sglang.layer.hybrid import DeferralChain, HybridMoELayer
@@ -168,6 +193,18 @@ def after_load_model(result, model_runner, *args, **kwargs):
         enable_gpu_prefill(hybrids, settings)
     hot = [m.quant_method.num_hot for m in ours]
     mapped = sum(m.quant_method.wrapper is not None and m.quant_method.wrapper.mapped for m in ours)
+    rank, ranks = ours[0].quant_method.tp_rank, get_parallel().tp_size
+    if ranks > 1:
+        logger.info(
+            "kt-sglang: tensor-parallel rank %d of %d: %s",
+            rank,
+            ranks,
+            f"computes every cold expert on {settings.cpuinfer} engine threads (the other ranks: none)"
+            if rank == 0
+            else "its share of the hot experts; the cold experts are rank 0's (0 engine threads here)",
+        )
+    if rank != 0:
+        return result
     logger.info(
         "kt-sglang: CPU experts on, method %s, %d threads in %d pool(s), ISA %s, "
         "hot experts per MoE layer %s (%s placement), deferred per token %d, %d MoE layers "

@@ -103,8 +103,9 @@ def heat_placement(methods: list[KTEPWrapperMethod], settings: KtSettings) -> He
 
 class KTEPWrapperMethod(FusedMoEMethodBase):
     """SGLang's MoE method for one FusedMoE layer: hot experts through ``gpu_method``, cold ones on
-    the CPU engine. Tensor parallelism is refused at startup (settings.py) until the CPU part runs on
-    rank 0 only, added before the all-reduce."""
+    the CPU engine. With tensor parallelism SGLang shards the hot experts' weights as its own
+    FusedMoE's, and only rank 0 holds and computes the cold experts (their whole intermediate
+    dimension), added before SGLang's all-reduce: one copy in host memory, one engine on the cores."""
 
     def __init__(self, gpu_method: FusedMoEMethodBase, kt_config) -> None:
         from sglang.srt.runtime_context import get_parallel
@@ -280,26 +281,30 @@ class KTEPWrapperMethod(FusedMoEMethodBase):
         self.wrapper.load_weights(mapping)
 
     def attach(self, layer: torch.nn.Module, chain: DeferralChain) -> None:
-        """Builds the forward once the weights are final; the model's layers are then linked."""
-        if self.wrapper is not None:
-            self._check_hot_on_cpu(layer)
-            w13, w2 = getattr(layer, "w13_weight", None), getattr(layer, "w2_weight", None)
-            if not self.num_slots or w13 is None or w2 is None:
-                # None hot, or (on CUDA) the GPU method keeps them in a layout of its own (SGLang's
-                # triton_kernels MXFP4 replaces both after loading): its apply() reads them, not ours.
-                w13 = w2 = torch.zeros(self.num_slots, 0, 0)
-            limit = self.settings.deferral_max_batch
-            self.hybrid = HybridMoELayer(
-                self.wrapper,
-                self.gpu_slot_of,
-                w13,
-                w2,
-                chain,
-                self.max_deferred,
-                DEFERRAL_MAX_TOKENS if limit is None else limit,
-            )
-            if self.host_weights is not None:
-                self._attach_heat(layer)
+        """Builds the forward once the weights are final; the model's layers are then linked. A
+        tensor-parallel rank other than 0 computes its share of the hot experts only: rank 0 adds
+        all the cold experts, and SGLang's all-reduce after the layer sums the ranks."""
+        self._check_hot_on_cpu(layer)
+        w13, w2 = getattr(layer, "w13_weight", None), getattr(layer, "w2_weight", None)
+        if not self.num_slots or w13 is None or w2 is None:
+            # None hot, or (on CUDA) the GPU method keeps them in a layout of its own (SGLang's
+            # triton_kernels MXFP4 replaces both after loading): its apply() reads them, not ours.
+            w13 = w2 = torch.zeros(self.num_slots, 0, 0)
+        if self.wrapper is None:
+            self.hybrid = HybridMoELayer(None, self.gpu_slot_of, w13, w2, chain)
+            return
+        limit = self.settings.deferral_max_batch
+        self.hybrid = HybridMoELayer(
+            self.wrapper,
+            self.gpu_slot_of,
+            w13,
+            w2,
+            chain,
+            self.max_deferred,
+            DEFERRAL_MAX_TOKENS if limit is None else limit,
+        )
+        if self.host_weights is not None:
+            self._attach_heat(layer)
 
     def _attach_heat(self, layer: torch.nn.Module) -> None:
         """The layer's routing heat and its slots, refilled from the host copies (placement by heat)."""
@@ -338,7 +343,7 @@ class KTEPWrapperMethod(FusedMoEMethodBase):
             )
         elif not w13.dtype.is_floating_point or w13.dtype.itemsize < 2:
             reasons.append(f"the GPU experts are quantized ({w13.dtype})")
-        if self.wrapper.activation != SILU:
+        if self.wrapper is not None and self.wrapper.activation != SILU:
             reasons.append(f"the activation is {self.wrapper.activation}")
         if any(getattr(layer, name, None) is not None for name in ("w13_weight_bias", "w2_weight_bias")):
             reasons.append("the experts have biases")

@@ -267,9 +267,11 @@ def resolve(server_args, extra: argparse.Namespace, argv: list[str]) -> KtSettin
                 f"{flags} given without --kt-weight-path: set --kt-weight-path to enable CPU experts"
             )
         return None
-    if (getattr(server_args, "tp_size", 1) or 1) > 1:
+    tp_size = getattr(server_args, "tp_size", 1) or 1
+    if tp_size > 1 and extra.kt_expert_placement_strategy == "heat":
         raise KtSettingsError(
-            "--tp-size > 1 with CPU experts is not supported by kt-sglang yet: use --tp-size 1"
+            f"--kt-expert-placement-strategy heat with --tp-size {tp_size}: each rank would commit its "
+            "moves on its own schedule; use another placement with tensor parallelism"
         )
     try:
         name = str(server_args.kt_method).upper()
