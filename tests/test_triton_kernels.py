@@ -326,7 +326,9 @@ def test_packed_kernel_matches_the_decoded_experts(device, method, pools):
     )
     assert len([p for p in layout.pools if p.i_end > p.i_begin]) == pools
     want_fp32 = moe_reference(hidden, *full, expert_ids, weights)
-    for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
+    # On a GPU, half precision is `test_packed_kernel_bf16_on_gpu`'s (each dtype compiles every kernel).
+    dtypes = ((torch.float32, 1e-5),) if HAS_CUDA else ((torch.float32, 1e-5), (torch.float16, 2e-3))
+    for dtype, tol in dtypes:
         x = hidden.to(dtype)
         want = hot_moe_torch(x, *decode_experts(layout, gate_up, down, dtype), slot_ids, weights)
         got = packed_moe_triton(

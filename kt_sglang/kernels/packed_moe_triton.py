@@ -106,9 +106,8 @@ def _dequant(group_ptr, kk, c, mask, KIND: tl.constexpr, GROUP: tl.constexpr, WE
         w = _scale(scales, c * 2, tl.float16) * (v - 128).to(tl.float32)
     else:  # 4-bit: int8-row r's nibbles: low ones in byte row r, high ones in byte row r - GROUP / 8
         r = kk // 4
-        half: tl.constexpr = GROUP // 8
-        byte = tl.load(group_ptr + (r % half) * 64 + c * 4 + kk % 4, mask=mask, other=0).to(tl.int32)
-        q = (byte >> ((r // half) * 4)) & 15
+        byte = tl.load(group_ptr + (r % (GROUP // 8)) * 64 + c * 4 + kk % 4, mask=mask, other=0).to(tl.int32)
+        q = (byte >> ((r // (GROUP // 8)) * 4)) & 15
         if KIND == 2:  # AMXINT4: scale * q + min
             w = _scale(scales, c * 2, tl.float16) * q.to(tl.float32) + _scale(scales, 32 + c * 2, tl.float16)
         elif KIND == 4:  # RAWINT4: bf16 scale * (q - 8)
