@@ -157,7 +157,7 @@ def _packed_gate_up_kernel(
     i_begin,  # the pool's first intermediate channel
     channels,  # the pool's channels below I
     expert_bytes,
-    PANEL_BYTES: tl.constexpr,
+    panel_bytes,  # a panel's bytes (all of K)
     KIND: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_BYTES: tl.constexpr,
@@ -179,8 +179,8 @@ def _packed_gate_up_kernel(
     gate_row = (j // GATE_UP_BLOCK) * 2 * GATE_UP_BLOCK + j % GATE_UP_BLOCK
     up_row = gate_row + GATE_UP_BLOCK
     expert = w_ptr + slot * expert_bytes
-    gate_col = (expert + (gate_row // 16) * PANEL_BYTES)[None, :]
-    up_col = (expert + (up_row // 16) * PANEL_BYTES)[None, :]
+    gate_col = (expert + (gate_row // 16) * panel_bytes)[None, :]
+    up_col = (expert + (up_row // 16) * panel_bytes)[None, :]
     c = (j % 16)[None, :]  # the same channel within both panels (GATE_UP_BLOCK is a multiple of 16)
     gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -219,7 +219,7 @@ def _packed_down_kernel(
     i_begin,
     channels,  # the pool's intermediate channels below I: its K
     expert_bytes,
-    PANEL_BYTES: tl.constexpr,
+    panel_bytes,  # a panel's bytes (all of the pool's K)
     KIND: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_BYTES: tl.constexpr,
@@ -237,7 +237,7 @@ def _packed_down_kernel(
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < H
     n = tl.where(n_ok, n, 0)  # columns past H read channel 0 (not stored)
-    col = (w_ptr + slot * expert_bytes + (n // 16) * PANEL_BYTES)[None, :]
+    col = (w_ptr + slot * expert_bytes + (n // 16) * panel_bytes)[None, :]
     c = (n % 16)[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     dot_t = inter_ptr.dtype.element_ty
@@ -359,14 +359,14 @@ def packed_moe_triton(
         common = {"FP32_DOT": fp32, "BLOCK_M": block_m, "BLOCK_N": BLOCK_N}
         _packed_gate_up_kernel[(num_blocks, triton.cdiv(channels, BLOCK_N))](
             x, gu, inter, blocks.rows, blocks.block_slot, T * k, k, H, I, pool.i_begin, channels,
-            pool.gate_up_bytes, PANEL_BYTES=panel_bytes(layout.method, layout.group, layout.hidden_padded),
+            pool.gate_up_bytes, panel_bytes(layout.method, layout.group, layout.hidden_padded),
             GATE_UP_BLOCK=layout.gate_up_block, BLOCK_K=min(layout.group, MAX_BLOCK_K),
             **gate_up_args, **common,
         )  # fmt: skip
         width = pool.i_end - pool.i_begin
         _packed_down_kernel[(num_blocks, triton.cdiv(H, BLOCK_N))](
             inter, d, route, partial, blocks.rows, blocks.block_slot, T * k, H, I, pool.i_begin, channels,
-            pool.down_bytes, PANEL_BYTES=panel_bytes(layout.down_method, layout.down_group, width),
+            pool.down_bytes, panel_bytes(layout.down_method, layout.down_group, width),
             ACCUMULATE=written, BLOCK_K=min(layout.down_group, MAX_BLOCK_K), **down_args, **common,
         )  # fmt: skip
         written = True
