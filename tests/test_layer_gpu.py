@@ -171,13 +171,19 @@ def test_cpu_and_gpu_parts_overlap():
 
 
 @pytest.mark.parametrize("method", ["AMXINT4", "AMXINT8", "BF16", "FP8", "MXFP4"])
-def test_gpu_prefill_streams_packed_experts(method):
-    """Long chunks' cold experts copied to the GPU in the packed layout and decoded there: against the
-    float32 MoE of the method's values, whole layers and rounds of two experts, on a side stream."""
+def test_gpu_prefill_streams_packed_experts(method, monkeypatch):
+    """Long chunks' cold experts copied to the GPU in the packed layout and computed there from those
+    bytes by the packed kernels (never decoded to memory): against the float32 MoE of the method's
+    values, whole layers and rounds of two experts, on a side stream."""
     import test_gpu_prefill as gp
 
     from kt_sglang.engine.methods import Method
     from kt_sglang.layer import GpuPrefill, HybridMoELayer
+
+    def decoded(*args, **kwargs):
+        raise AssertionError("the streamed experts were decoded: the packed kernels should compute them")
+
+    monkeypatch.setattr("kt_sglang.layer.prefill.decode_experts", decoded)
 
     layers, full = gp.build_model(Method(method), [set(), {1, 5}, set()])
     layers = to_cuda(layers)

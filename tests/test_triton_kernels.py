@@ -251,3 +251,166 @@ def test_hot_path_launches_are_bounded(tmp_path):
     assert len(counts) == 1, counts
     ((triton_launches, aten_launches),) = counts
     assert triton_launches <= 5 and aten_launches <= 6, counts
+
+
+# -- the streamed experts' MoE from the packed layout (kernels/packed_moe_triton.py) -------------------
+
+
+def packed_case(method, E: int, H: int, I: int, pools: int, tokens: int, top_k: int, seed: int = 0):
+    """A layer of canonical experts packed by the engine (expert 1 not held: absent from its memory),
+    the held ones staged in reverse order as the GPU prefill stages a round, and random selections of
+    them (-1 included). Returns (layout, gate_up, down, hidden, slot_ids, weights, expert_ids, float32
+    gate, up, down of every expert)."""
+    from kt_sglang import KTMoEWrapper
+    from kt_sglang.engine.canonical import dequantize, quantize, random_canonical
+    from kt_sglang.engine.methods import METHODS
+    from kt_sglang.layer.prefill import PackedExperts
+
+    gen = torch.Generator().manual_seed(seed)
+    mats = []
+    for j, (N, K) in enumerate(((I, H), (I, H), (H, I))):
+        if METHODS[method].quantizes_dense:
+            mats.append([quantize(method, torch.randn(N, K, generator=gen) / K**0.5) for _ in range(E)])
+        else:
+            mats.append([random_canonical(method, N, K, seed=seed * 100 + 3 * e + j) for e in range(E)])
+    held_out = torch.zeros(E, dtype=torch.bool)
+    held_out[1] = True
+    layer = KTMoEWrapper(
+        0, E, top_k, H, I, held_out, pools, pools, method=method.value, numa_nodes=[0] * pools
+    )
+    layer.load_canonical(*mats)
+    packed = PackedExperts(layer)
+    order = packed.held[::-1]
+    rows = torch.tensor([packed.row_of[e] for e in order])
+    gate_up = [g[rows].clone() for g in packed.gate_up]
+    down = [d[rows].clone() for d in packed.down]
+    slot_ids = torch.randint(-1, len(order), (tokens, top_k), generator=gen)
+    slot_ids[:1, 0] = 0  # at least one selection has an expert
+    expert_ids = torch.where(slot_ids >= 0, torch.tensor(order)[slot_ids.clamp_min(0)], -1)
+    weights = torch.rand(tokens, top_k, generator=gen)
+    hidden = torch.randn(tokens, H, generator=gen)
+    groups = (layer.group_size, layer.group_size, layer.down_group_size)
+    full = [
+        torch.stack([dequantize(method, m, K, g) for m in ms])
+        for ms, K, g in zip(mats, (H, H, I), groups, strict=True)
+    ]
+    return packed.layout, gate_up, down, hidden, slot_ids, weights, expert_ids, full
+
+
+PACKED_METHODS = [
+    "BF16",
+    "AMXINT8",
+    "AMXINT4",
+    "FP8",
+    "FP8_PERCHANNEL",
+    "RAWINT4",
+    "GPTQ_INT4",
+    "MXFP4",
+    "NVFP4",
+]
+
+
+@pytest.mark.parametrize("pools", [1, 2])
+@pytest.mark.parametrize("method", PACKED_METHODS)
+def test_packed_kernel_matches_the_decoded_experts(device, method, pools):
+    """fp32 and fp16 GEMMs over the packed bytes (H and I not multiples of 64, one and two pools, -1
+    selections): against `hot_moe_torch` on the `decode_experts` weights, and in fp32 against the
+    float32 MoE of the method's own values (exact weights: only the summation order differs)."""
+    from kt_sglang.engine.methods import Method
+    from kt_sglang.engine.reference import moe_reference, relative_error
+    from kt_sglang.kernels.packed import decode_experts
+    from kt_sglang.kernels.packed_moe_triton import packed_moe_triton
+
+    layout, gate_up, down, hidden, slot_ids, weights, expert_ids, full = packed_case(
+        Method(method), E=4, H=160, I=200 if pools == 2 else 96, pools=pools, tokens=21, top_k=3
+    )
+    assert len([p for p in layout.pools if p.i_end > p.i_begin]) == pools
+    want_fp32 = moe_reference(hidden, *full, expert_ids, weights)
+    # On a GPU, half precision is `test_packed_kernel_bf16_on_gpu`'s (each dtype compiles every kernel).
+    dtypes = ((torch.float32, 1e-5),) if HAS_CUDA else ((torch.float32, 1e-5), (torch.float16, 2e-3))
+    for dtype, tol in dtypes:
+        x = hidden.to(dtype)
+        want = hot_moe_torch(x, *decode_experts(layout, gate_up, down, dtype), slot_ids, weights)
+        got = packed_moe_triton(
+            x.to(device), layout, [g.to(device) for g in gate_up], [d.to(device) for d in down],
+            slot_ids.to(device), weights.to(device), dtype=dtype,
+        ).cpu()  # fmt: skip
+        assert got.dtype == torch.float32 and got.shape == want.shape
+        assert relative_error(got, want) < tol, (dtype, relative_error(got, want))
+        if dtype == torch.float32:
+            assert relative_error(got, want_fp32) < tol, relative_error(got, want_fp32)
+
+
+@pytest.mark.parametrize(
+    ("experts", "tokens", "top_k", "block_m"),
+    [(2, 1, 1, None), (6, 37, 4, 16), (9, 70, 2, 64), (4, 0, 2, None)],
+    ids=lambda v: str(v),
+)
+def test_packed_kernel_expert_and_token_counts(device, experts, tokens, top_k, block_m):
+    """Rounds of 1 to 8 experts, 0 to 70 tokens, blocks of 16 and 64 selections (AMXINT8, fp32)."""
+    from kt_sglang.engine.methods import Method
+    from kt_sglang.kernels.packed import decode_experts
+    from kt_sglang.kernels.packed_moe_triton import packed_moe_triton
+
+    layout, gate_up, down, hidden, slot_ids, weights, _, _ = packed_case(
+        Method.AMXINT8, E=experts, H=96, I=40, pools=1, tokens=tokens, top_k=top_k, seed=experts
+    )
+    want = hot_moe_torch(hidden, *decode_experts(layout, gate_up, down, torch.float32), slot_ids, weights)
+    args = (
+        [g.to(device) for g in gate_up],
+        [d.to(device) for d in down],
+        slot_ids.to(device),
+        weights.to(device),
+    )
+    got = packed_moe_triton(hidden.to(device), layout, *args, dtype=torch.float32, block_m=block_m).cpu()
+    assert got.shape == (tokens, 96)
+    if tokens:
+        assert float((got - want).norm() / want.norm()) < 1e-5
+    none = packed_moe_triton(
+        hidden.to(device), layout, *args[:2], torch.full_like(args[2], -1), args[3], dtype=torch.float32
+    )
+    assert not none.any()  # selections without an expert add nothing
+
+
+def test_packed_kernel_refuses_bytes_of_another_layout(device):
+    from kt_sglang.engine.methods import Method
+    from kt_sglang.kernels.packed_moe_triton import packed_moe_triton
+
+    layout, gate_up, down, hidden, slot_ids, weights, _, _ = packed_case(
+        Method.AMXINT4, E=3, H=64, I=32, pools=1, tokens=2, top_k=1
+    )
+    cut = [g[:, :-1].contiguous() for g in gate_up]
+    with pytest.raises(ValueError, match=r"gate_up\[0\].*expected contiguous uint8"):
+        packed_moe_triton(hidden, layout, cut, down, slot_ids, weights)
+    with pytest.raises(ValueError, match="the layout's hidden size is 64"):
+        packed_moe_triton(hidden[:, :32], layout, gate_up, down, slot_ids, weights)
+
+
+@needs_gpu
+@pytest.mark.parametrize("pools", [1, 2])
+@pytest.mark.parametrize("method", PACKED_METHODS)
+def test_packed_kernel_bf16_on_gpu(method, pools):
+    """bf16 GEMMs on the device, blocks of 16 and 64 selections: against `hot_moe_torch` on the bf16
+    `decode_experts` weights, and against the float32 MoE within bf16 rounding."""
+    from kt_sglang.engine.methods import Method
+    from kt_sglang.engine.reference import moe_reference, relative_error
+    from kt_sglang.kernels.packed import decode_experts
+    from kt_sglang.kernels.packed_moe_triton import packed_moe_triton
+
+    for tokens in (5, 300):
+        layout, gate_up, down, hidden, slot_ids, weights, expert_ids, full = packed_case(
+            Method(method), E=5, H=160, I=200 if pools == 2 else 96, pools=pools, tokens=tokens, top_k=4
+        )
+        x = hidden.bfloat16()
+        want = hot_moe_torch(x, *decode_experts(layout, gate_up, down, torch.bfloat16), slot_ids, weights)
+        got = packed_moe_triton(
+            x.cuda(),
+            layout,
+            [g.cuda() for g in gate_up],
+            [d.cuda() for d in down],
+            slot_ids.cuda(),
+            weights.cuda(),
+        ).cpu()
+        assert relative_error(got, want) < 1e-2, (tokens, relative_error(got, want))
+        reference = moe_reference(x.float(), *full, expert_ids, weights)
+        assert relative_error(got, reference) < 1e-2, (tokens, relative_error(got, reference))

@@ -6,8 +6,9 @@ group its weights in VNNI order followed by its scale block. A pool's slice of o
 gate/up as interleaved blocks of ``gate_up_block`` channels (that many gate rows' panels, then as
 many up rows') over the padded hidden size, and its down projection as panels over the hidden size
 (rounded to 16) and the slice's intermediate channels. The GPU prefill (kt_sglang/layer/prefill.py)
-copies these bytes to the GPU as they are and decodes them there with these functions: no second
-host copy in another layout, no repacking per pass.
+copies these bytes to the GPU as they are: no second host copy in another layout, no repacking per
+pass. On CUDA the packed kernels (packed_moe_triton.py) compute from them directly, decoding as these
+functions do; these functions serve the CPU device, layouts those kernels do not cover, and tests.
 """
 
 from __future__ import annotations

@@ -3,8 +3,10 @@ there (``--kt-gpu-prefill-token-threshold``).
 
 A forward of at least ``threshold`` tokens sends its cold selections here instead of to the CPU
 engine. The experts travel in the engine's packed layout, as the engine holds them (its memory is
-registered as pinned once, in place), are decoded on the GPU (kt_sglang/kernels/packed.py) a batch at
-a time into bf16 and computed by the hot-expert kernels. Copies run on a stream of their own into
+registered as pinned once, in place), and are computed on the GPU from those bytes by Triton kernels
+that dequantize in registers (kt_sglang/kernels/packed_moe_triton.py, every method of the engine); a
+layout they do not cover is decoded a batch at a time into bf16 (kt_sglang/kernels/packed.py) and
+computed by the hot-expert kernels. Copies run on a stream of their own into
 two halves of one GPU buffer: while one half's experts compute, the next experts (the rest of this
 layer, or the next MoE layer's first ones) are already moving. A half holds a whole layer where
 GPU memory allows (``buffer_bytes`` caps it), else a layer passes through in rounds of as many experts
@@ -32,7 +34,9 @@ from kt_sglang.kernels.packed import PackedLayout, PackedPool, decode_experts
 
 logger = logging.getLogger(__name__)
 
-DECODE_BATCH = 16  # experts decoded to bf16 at once: bounds the GPU's scratch (Qwen3-30B-A3B: 150 MB)
+# Experts decoded to bf16 at once where the packed kernels do not compute a layout (and on the CPU
+# device): bounds the scratch (Qwen3-30B-A3B: 150 MB).
+DECODE_BATCH = 16
 # Chunks with fewer selections than this many per held expert move only their routed experts: below
 # it a good share of the experts is likely routed to by nothing.
 ROUTED_ONLY = 2
@@ -314,8 +318,17 @@ class GpuPrefill:
         cold_ids: torch.Tensor,
         weights: torch.Tensor,
     ) -> torch.Tensor:
-        """The selections of ``experts`` (whose packed bytes are ``gate_up``/``down``, rows in order)."""
+        """The selections of ``experts`` (whose packed bytes are ``gate_up``/``down``, rows in order):
+        on CUDA by the packed kernels where they cover the layout (no decoded copy of the experts),
+        else decoded to bf16 a batch at a time and computed by the hot-expert kernels."""
         E = source.experts.num_experts
+        ids = torch.where(cold_ids >= 0, cold_ids, E).long()
+        if hidden.is_cuda:
+            from kt_sglang.kernels.packed_moe_triton import covers, packed_moe_triton
+
+            if covers(source.layout):
+                slots = _slot_ids(experts, E, ids)
+                return packed_moe_triton(hidden, source.layout, gate_up, down, slots, weights)
         out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
         for b0 in range(0, len(experts), DECODE_BATCH):
             batch = experts[b0 : b0 + DECODE_BATCH]
@@ -325,12 +338,16 @@ class GpuPrefill:
                 [d[b0 : b0 + len(batch)] for d in down],
                 torch.bfloat16,
             )
-            slot_of = torch.full((E + 1,), -1, dtype=torch.int64)
-            slot_of[torch.tensor(batch)] = torch.arange(len(batch))
-            slot_of = slot_of.to(hidden.device, non_blocking=True)
-            ids = torch.where(cold_ids >= 0, cold_ids, E).long()
-            out += hot_moe(hidden, w13, w2, slot_of[ids], weights)
+            out += hot_moe(hidden, w13, w2, _slot_ids(batch, E, ids), weights)
         return out
+
+
+def _slot_ids(experts: list[int], num_experts: int, ids: torch.Tensor) -> torch.Tensor:
+    """Each selection's row among ``experts`` (-1: not one of them); ``ids [T, k]`` uses
+    ``num_experts`` for no expert."""
+    slot_of = torch.full((num_experts + 1,), -1, dtype=torch.int64)
+    slot_of[torch.tensor(experts)] = torch.arange(len(experts))
+    return slot_of.to(ids.device, non_blocking=True)[ids]
 
 
 def _copy_rows(dst: torch.Tensor, src: torch.Tensor, rows: list[int]) -> None:
