@@ -130,14 +130,27 @@ def test_tp2_keeps_one_copy_of_the_cold_experts(tmp_path):
 
 
 @pytest.mark.slow
-def test_tp4_on_two_cores(qwen, tmp_path):
-    """Four ranks on this machine's cores (slow, correct): the ids of TP 1."""
-    args = _kt(qwen, "AMXINT4", 2, 0)
-    prompts = _prompts(qwen, 2, seed=1)
-    with _serve(qwen, args, tmp_path / "tp1.log") as server:
+def test_tp4_on_two_cores(tmp_path):
+    """Four ranks on this machine's cores (slow, correct): the ids of TP 1. The model has as many KV
+    heads as ranks (SGLang's attention shards them) and an intermediate size SGLang's CPU path does
+    not pad at TP 4."""
+    spec = TinyMoESpec(arch="qwen3_moe", num_kv_heads=4, moe_intermediate_size=128)
+    model = write_tiny_moe(tmp_path / "model", spec)
+    args = _kt(model, "AMXINT4", 2, 0)
+    prompts = _prompts(model, 2, seed=1)
+    with _serve(model, args, tmp_path / "tp1.log") as server:
         want = [_generate(server, p) for p in prompts]
-    with _serve(qwen, args + ["--tp-size", "4"], tmp_path / "tp4.log") as server:
+    with _serve(model, args + ["--tp-size", "4"], tmp_path / "tp4.log") as server:
         assert [_generate(server, p) for p in prompts] == want
+
+
+def test_a_tp_size_the_cpu_device_pads_for_is_refused(qwen):
+    """The tiny model's experts have 64 intermediate channels: SGLang's CPU path would pad them to 128
+    at TP 4; the launcher says which sizes work."""
+    r = _launch_error([str(qwen), "--kt-weight-path", str(qwen), "--tp-size", "4"])
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "--tp-size 4 with --device cpu: SGLang pads the experts' intermediate size 64" in r.stderr
+    assert "use --tp-size 2" in r.stderr
 
 
 def test_heat_placement_with_tensor_parallelism_is_refused(qwen):

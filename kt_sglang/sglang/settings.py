@@ -240,6 +240,7 @@ class ModelFacts:
     num_experts: int
     top_k: int
     moe_layers: list[int]
+    intermediate_size: int  # of one routed expert
 
 
 def model_facts(model_path: str) -> ModelFacts | None:
@@ -249,7 +250,7 @@ def model_facts(model_path: str) -> ModelFacts | None:
     if not (Path(model_path) / "config.json").is_file():
         return None
     spec = open_checkpoint(model_path).spec
-    return ModelFacts(spec.num_experts, spec.top_k, list(spec.moe_layers))
+    return ModelFacts(spec.num_experts, spec.top_k, list(spec.moe_layers), spec.intermediate_size)
 
 
 def resolve(server_args, extra: argparse.Namespace, argv: list[str]) -> KtSettings | None:
@@ -268,6 +269,7 @@ def resolve(server_args, extra: argparse.Namespace, argv: list[str]) -> KtSettin
             )
         return None
     tp_size = getattr(server_args, "tp_size", 1) or 1
+    check_cpu_tensor_parallel(server_args, tp_size)
     if tp_size > 1 and extra.kt_expert_placement_strategy == "heat":
         raise KtSettingsError(
             f"--kt-expert-placement-strategy heat with --tp-size {tp_size}: each rank would commit its "
@@ -376,6 +378,22 @@ def resolve(server_args, extra: argparse.Namespace, argv: list[str]) -> KtSettin
     if settings.expert_lora_path:
         check_expert_adapter(settings)
     return settings
+
+
+def check_cpu_tensor_parallel(server_args, tp_size: int) -> None:
+    """On the CPU device SGLang pads the experts' intermediate size to a multiple of 32 x the ranks
+    for its kernels (adjust_config_with_unaligned_cpu_tp); the CPU engine computes the checkpoint's
+    own size, so the two must agree. GPUs shard the size as it is."""
+    if tp_size <= 1 or getattr(server_args, "device", None) != "cpu":
+        return
+    facts = model_facts(server_args.model_path)
+    if facts is not None and facts.intermediate_size % (32 * tp_size):
+        fits = [n for n in (2, 4, 8) if facts.intermediate_size % (32 * n) == 0]
+        raise KtSettingsError(
+            f"--tp-size {tp_size} with --device cpu: SGLang pads the experts' intermediate size "
+            f"{facts.intermediate_size} to a multiple of {32 * tp_size} on the CPU device, which the CPU "
+            f"experts cannot follow; use --tp-size {' or '.join(map(str, fits)) if fits else 1}"
+        )
 
 
 def parse_prefill_threshold(value: str | None) -> int | str | None:
