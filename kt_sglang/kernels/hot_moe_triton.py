@@ -126,7 +126,7 @@ def align_by_slot(slot_ids: torch.Tensor, num_slots: int, block_m: int = BLOCK_M
 
 
 @triton.jit
-def _block_rows(rows_ptr, block_slot_ptr, num_rows, BLOCK_M: tl.constexpr):
+def block_rows(rows_ptr, block_slot_ptr, num_rows, BLOCK_M: tl.constexpr):
     """This program's slot (-1: no work) and its BLOCK_M selection rows, with which are real."""
     block = tl.program_id(0)
     slot = tl.load(block_slot_ptr + block).to(tl.int64)
@@ -135,7 +135,8 @@ def _block_rows(rows_ptr, block_slot_ptr, num_rows, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _dot(a, b, FP32_DOT: tl.constexpr):
+def dot(a, b, FP32_DOT: tl.constexpr):
+    """``a @ b`` with fp32 accumulation; fp32 inputs at full precision (not TF32)."""
     if FP32_DOT:  # fp32 inputs: full precision, not TF32
         return tl.dot(a, b, input_precision="ieee")
     return tl.dot(a, b)
@@ -157,7 +158,7 @@ def _gate_up_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    slot, rows, row_ok = _block_rows(rows_ptr, block_slot_ptr, num_rows, BLOCK_M)
+    slot, rows, row_ok = block_rows(rows_ptr, block_slot_ptr, num_rows, BLOCK_M)
     if slot < 0:
         return
     token = tl.where(row_ok, rows // top_k, 0)
@@ -175,8 +176,8 @@ def _gate_up_kernel(
             w_base + (I + n[None, :]) * H + kk[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0
         )
         a = a.to(wg.dtype)
-        gate += _dot(a, wg, FP32_DOT)
-        up += _dot(a, wu, FP32_DOT)
+        gate += dot(a, wg, FP32_DOT)
+        up += dot(a, wu, FP32_DOT)
     h = gate * tl.sigmoid(gate) * up
     tl.store(
         inter_ptr + rows[:, None] * I + n[None, :],
@@ -201,7 +202,7 @@ def _down_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    slot, rows, row_ok = _block_rows(rows_ptr, block_slot_ptr, num_rows, BLOCK_M)
+    slot, rows, row_ok = block_rows(rows_ptr, block_slot_ptr, num_rows, BLOCK_M)
     if slot < 0:
         return
     safe_rows = tl.where(row_ok, rows, 0)
@@ -216,7 +217,7 @@ def _down_kernel(
             inter_ptr + safe_rows[:, None] * I + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0
         )
         w = tl.load(w_base + n[None, :] * I + kk[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-        acc += _dot(a, w, FP32_DOT)
+        acc += dot(a, w, FP32_DOT)
     route = tl.load(weights_ptr + safe_rows, mask=row_ok, other=0.0).to(tl.float32)
     tl.store(
         out_ptr + rows[:, None] * H + n[None, :], acc * route[:, None], mask=row_ok[:, None] & n_ok[None, :]

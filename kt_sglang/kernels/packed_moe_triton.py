@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from kt_sglang.engine.methods import METHODS, Method
-from kt_sglang.kernels.hot_moe_triton import align_by_slot
+from kt_sglang.kernels.hot_moe_triton import align_by_slot, block_rows, dot
 from kt_sglang.kernels.packed import PANEL, PackedLayout, group_bytes, panel_bytes
 
 # The methods these kernels decode, and the decoder each uses (`_dequant`'s KIND). A layer whose
@@ -128,22 +128,6 @@ def _dequant(group_ptr, kk, c, mask, KIND: tl.constexpr, GROUP: tl.constexpr, WE
 
 
 @triton.jit
-def _block_rows(rows_ptr, block_slot_ptr, num_rows, BLOCK_M: tl.constexpr):
-    """This program's expert slot (-1: no work) and its BLOCK_M selection rows, with which are real."""
-    block = tl.program_id(0)
-    slot = tl.load(block_slot_ptr + block).to(tl.int64)
-    rows = tl.load(rows_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
-    return slot, rows, rows < num_rows
-
-
-@triton.jit
-def _dot(a, b, FP32_DOT: tl.constexpr):
-    if FP32_DOT:  # fp32 inputs: full precision, not TF32
-        return tl.dot(a, b, input_precision="ieee")
-    return tl.dot(a, b)
-
-
-@triton.jit
 def _packed_gate_up_kernel(
     x_ptr,  # [T, H]
     w_ptr,  # [S, expert_bytes] uint8: this pool's packed gate/up
@@ -168,7 +152,7 @@ def _packed_gate_up_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    slot, rows, row_ok = _block_rows(rows_ptr, block_slot_ptr, num_rows, BLOCK_M)
+    slot, rows, row_ok = block_rows(rows_ptr, block_slot_ptr, num_rows, BLOCK_M)
     if slot < 0:
         return
     token = tl.where(row_ok, rows // top_k, 0)
@@ -195,8 +179,8 @@ def _packed_gate_up_kernel(
         wg = _dequant(gate_col + group, in_group, c, mask, KIND, GROUP, WEIGHT_BYTES)
         wu = _dequant(up_col + group, in_group, c, mask, KIND, GROUP, WEIGHT_BYTES)
         a = a.to(dot_t)
-        gate += _dot(a, wg.to(dot_t), FP32_DOT)
-        up += _dot(a, wu.to(dot_t), FP32_DOT)
+        gate += dot(a, wg.to(dot_t), FP32_DOT)
+        up += dot(a, wu.to(dot_t), FP32_DOT)
     h = gate * tl.sigmoid(gate) * up
     tl.store(
         inter_ptr + rows[:, None] * I + (i_begin + j)[None, :],  # j_ok masks the columns set to 0
@@ -230,7 +214,7 @@ def _packed_down_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    slot, rows, row_ok = _block_rows(rows_ptr, block_slot_ptr, num_rows, BLOCK_M)
+    slot, rows, row_ok = block_rows(rows_ptr, block_slot_ptr, num_rows, BLOCK_M)
     if slot < 0:
         return
     safe_rows = tl.where(row_ok, rows, 0)
@@ -259,7 +243,7 @@ def _packed_down_kernel(
             GROUP,
             WEIGHT_BYTES,
         )
-        acc += _dot(a, w.to(dot_t), FP32_DOT)
+        acc += dot(a, w.to(dot_t), FP32_DOT)
     route = tl.load(weights_ptr + safe_rows, mask=row_ok, other=0.0)
     acc = acc * route[:, None]
     out = out_ptr + rows[:, None] * H + (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N))[None, :]
