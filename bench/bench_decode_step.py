@@ -434,12 +434,7 @@ def main() -> None:
         KTMoEWrapper.set_capture_batch_sizes([])
         KTMoEWrapper.clear_buffer_cache()
     result = {
-        "device": torch.cuda.get_device_name() if cuda else "cpu",
-        "cuda_graph": graph,
-        "model": args.model,
-        "method": args.method,
-        "layers": args.layers,
-        "context": args.context,
+        **run_header(args, cuda, graph),
         "engine_threads": serving_threads(),
         "torch_threads": reserved_cores(),
         "rows": rows,
@@ -475,15 +470,22 @@ def main() -> None:
         args.out.write_text(json.dumps(result, indent=2))
 
 
-def trace_main(args, s: Shape, sources, gen: torch.Generator, cuda: bool, graph: bool) -> None:
-    rows = compare_placements(args, s, sources, gen, cuda, graph)
-    result = {
+def run_header(args, cuda: bool, graph: bool) -> dict:
+    """What every result file says of the run."""
+    return {
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         "cuda_graph": graph,
         "model": args.model,
         "method": args.method,
         "layers": args.layers,
         "context": args.context,
+    }
+
+
+def trace_main(args, s: Shape, sources, gen: torch.Generator, cuda: bool, graph: bool) -> None:
+    rows = compare_placements(args, s, sources, gen, cuda, graph)
+    result = {
+        **run_header(args, cuda, graph),
         "trace": {"kind": args.trace, "steps": args.trace_steps, "phase_steps": args.trace_phase,
                   "skew": args.trace_skew, "drift": ZipfTrace.drift},
         "heat": {"max_moves": args.heat_max_moves, "interval_steps": args.heat_interval},
