@@ -189,8 +189,8 @@ def after_load_model(result, model_runner, *args, **kwargs):
     HybridMoELayer.link(hybrids)
     # placement by heat: re-chosen between forward steps (after_forward)
     model_runner.kt_heat_placement = heat_placement([m.quant_method for m in ours], settings)
-    if settings.gpu_prefill_threshold is not None and hybrids:
-        enable_gpu_prefill(hybrids, settings)
+    if settings.gpu_prefill_threshold is not None and hybrids and hybrids[0].experts is not None:
+        enable_gpu_prefill(hybrids, settings)  # where the cold experts are: rank 0
     hot = [m.quant_method.num_hot for m in ours]
     mapped = sum(m.quant_method.wrapper is not None and m.quant_method.wrapper.mapped for m in ours)
     rank, ranks = ours[0].quant_method.tp_rank, get_parallel().tp_size
