@@ -171,7 +171,7 @@ def test_disarmed_on_release():
     assert _native.signal_thread_stats()["armed"] == armed
 
 
-def test_signal_mode_matches_the_machine():
+def test_signal_mode_matches_the_machine(tmp_path):
     """memops where the driver has the stream memory operations (KT_SGLANG_STREAM_SIGNAL=host
     forces host functions), host functions with an older driver, none without a driver."""
     mode = _native.stream_signal()
@@ -187,6 +187,7 @@ def test_signal_mode_matches_the_machine():
             text=True,
             env={**os.environ, "KT_SGLANG_STREAM_SIGNAL": asked},
             timeout=120,
+            cwd=tmp_path,  # the source tree must not shadow the built package
         )
         assert r.returncode == 0, r.stderr
         got = r.stdout.strip()
