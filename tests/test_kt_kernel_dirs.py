@@ -173,3 +173,11 @@ def test_partial_and_mismatched_directories_are_refused(written, tmp_path):
     st = as_safetensors(written["AMXINT8", 1], tmp_path / "st")
     with pytest.raises(CheckpointError, match="neither INT8 nor INT4 of a 768 x 1024 matrix"):
         KtKernelDir(st).check_layer(0, 1024, I, E, "AMXINT8")
+
+
+@pytest.mark.parametrize("parts", [1, 2])
+@pytest.mark.parametrize("method", METHODS)
+def test_directory_states_its_shape_and_method(written, tmp_path, method, parts):
+    for path in (written[method, parts], as_safetensors(written[method, parts], tmp_path / "st")):
+        d = KtKernelDir(path)
+        assert d.sizes() == (E, H, I) and d.method() == method and d.layers == [0]

@@ -171,6 +171,25 @@ class KtKernelDir:
     def experts(self, layer: int) -> int:
         return max(key[2] for key in self._files if key[0] == layer) + 1
 
+    def sizes(self) -> tuple[int, int, int]:
+        """(experts, hidden_size, moe_intermediate_size) as the first layer's files give them: one
+        float32 scale per stored row (gate: a part's intermediate rows; down: hidden rows)."""
+        layer = self.layers[0]
+        P = self.parts(layer)
+        rows = []
+        for proj in ("gate", "down"):
+            scale = self._files.get((layer, proj, 0, 0), [None, None])[1]
+            if scale is None:
+                raise CheckpointError(f"{self._where(layer, proj, 0, 0, 1)} is missing")
+            rows.append(self._size(scale) // 4)
+        return self.experts(layer), rows[1], rows[0] * P
+
+    def method(self) -> str:
+        """The engine method of the stored type (AMXINT8 / AMXINT4)."""
+        experts, hidden, intermediate = self.sizes()
+        self._infer_type(self.layers[0], hidden, intermediate, self.parts(self.layers[0]))
+        return TYPES[self.type_name][0]
+
     def _where(self, layer: int, proj: str, expert: int, part: int, kind: int) -> str:
         if self._raw:
             base = self.path / f"_layer_{layer}" / f"_numa_{part}"
