@@ -181,3 +181,18 @@ def test_directory_states_its_shape_and_method(written, tmp_path, method, parts)
     for path in (written[method, parts], as_safetensors(written[method, parts], tmp_path / "st")):
         d = KtKernelDir(path)
         assert d.sizes() == (E, H, I) and d.method() == method and d.layers == [0]
+
+
+def test_the_native_reader_checks_shapes_and_buffers():
+    import numpy as np
+
+    from kt_sglang.engine.native import _native
+
+    src = np.zeros(64 * 64, dtype=np.uint8)
+    dst = torch.empty(64 * 64, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="rows must be a multiple of 32"):
+        _native.read_kt_kernel_tiles(
+            src.ctypes.data, 33 * 64, dst.data_ptr(), 33 * 64, 33, 64, 64, 3584, False
+        )
+    with pytest.raises(ValueError, match="buffers of 4096 and 2048 bytes for a matrix of 4096"):
+        _native.read_kt_kernel_tiles(src.ctypes.data, 4096, dst.data_ptr(), 2048, 64, 64, 64, 3584, False)

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from kt_sglang.engine.canonical import CanonicalMatrix
+from kt_sglang.engine.native import _native
 from kt_sglang.weights.source import CheckpointError, TensorSource, unreadable
 
 PROJECTIONS = ("gate", "up", "down")
@@ -61,32 +62,22 @@ def looks_like_kt_kernel(path: Path) -> bool:
     return any(_KEY.match(name) for name in source.names())
 
 
-def untile(raw: torch.Tensor, n: int, kb: int, n_block: int, k_block: int) -> torch.Tensor:
-    """``[E, n * kb]`` bytes in kt-kernel's tile order -> ``[E, n, kb]`` row-major bytes."""
-    E = raw.shape[0]
-    out = torch.empty(E, n, kb, dtype=torch.uint8)
-    full = n // n_block * n_block
-    for n0, n1 in ((0, full), (full, n)):
-        if n1 == n0:
-            continue
-        rows = min(n_block, n1 - n0)  # a block's rows: N_BLOCK, or the tail's
-        blocks = raw[:, n0 * kb : n1 * kb].reshape(E, (n1 - n0) // rows, rows * kb)
-        for k0 in range(0, kb, k_block):
-            width = min(k_block, kb - k0)
-            tiles = blocks[:, :, k0 * rows : (k0 + width) * rows]
-            # (row step, k step, half, word column, row in half, byte) -> rows x bytes
-            tiles = tiles.reshape(E, -1, rows // 32, width // 64, 2, 16, 16, 4)
-            out[:, n0:n1, k0 : k0 + width] = tiles.permute(0, 1, 2, 4, 6, 3, 5, 7).reshape(E, n1 - n0, width)
-    return out
-
-
-def int4_values(rows: torch.Tensor) -> torch.Tensor:
-    """Row-major INT4 bytes ``[E, n, k/2]`` -> signed values ``[E, n, k]`` (int8, -8..7)."""
-    E, n, kb = rows.shape
-    steps = rows.reshape(E, n, kb // 64, 64).to(torch.int16)
-    low, high = steps & 0x0F, steps >> 4
-    q = torch.stack([low, high], dim=3).reshape(E, n, kb * 2)  # k: step * 128 + half * 64 + j
-    return (q - ((q & 8) << 1)).to(torch.int8)
+def read_tiles(raw: np.ndarray, out: torch.Tensor, type_name: str) -> None:
+    """One stored matrix (bytes in kt-kernel's tile order) -> ``out``, its canonical ``[n, kb]``
+    bytes in the engine method's order (INT4: nibbles reordered and offset; kt_kernel_layout.cpp)."""
+    _, _, row_block, k_block = TYPES[type_name]
+    n, kb = out.shape
+    _native.read_kt_kernel_tiles(
+        raw.ctypes.data,
+        raw.nbytes,
+        out.data_ptr(),
+        out.numel(),
+        n,
+        kb,
+        row_block,
+        k_block,
+        type_name == "INT4",
+    )
 
 
 @dataclass(frozen=True)
@@ -283,17 +274,22 @@ class KtKernelDir:
         P = self.parts(layer)
         self._infer_type(layer, hidden, intermediate, P)
         spec = self.spec(proj, hidden, intermediate, P)
-        method, _, n_block, k_block = TYPES[self.type_name]
         kb = spec.k * spec.bits // 8
-        values, scales = [], []
+        # gate/up parts are rows, read in place; down parts are columns, joined after
+        rows = spec.n * P if proj != "down" else spec.n
+        q = torch.empty(len(experts), rows, kb * (P if proj == "down" else 1), dtype=torch.uint8)
+        part_out = q if proj != "down" else torch.empty(len(experts), spec.n, kb, dtype=torch.uint8)
+        scales = []
         for part in range(P):
             slots = [self._files[(layer, proj, e, part)] for e in experts]
-            raw = torch.from_numpy(np.stack([self._bytes(s[0], np.uint8) for s in slots]))
-            rows = untile(raw, spec.n, kb, n_block, k_block)
-            values.append(rows.view(torch.int8) if spec.bits == 8 else int4_values(rows))
+            for i, slot in enumerate(slots):
+                out = q[i, part * spec.n : (part + 1) * spec.n] if proj != "down" else part_out[i]
+                read_tiles(self._bytes(slot[0], np.uint8), out, self.type_name)
+            if proj == "down":
+                q[:, :, part * kb : (part + 1) * kb] = part_out
             scales.append(torch.from_numpy(np.stack([self._bytes(s[1], np.float32) for s in slots])))
-        join = 1 if proj != "down" else 2  # gate/up parts are rows; down parts are columns
-        q = torch.cat(values, dim=join)
+        if spec.bits == 8:
+            q = q.view(torch.int8)
         groups_per_part = spec.k // group
         if proj != "down":
             row_scales = torch.cat(scales, dim=1)[:, :, None].expand(-1, -1, groups_per_part)
@@ -302,11 +298,11 @@ class KtKernelDir:
         if spec.bits == 8:
             fp16 = row_scales.to(torch.float16).contiguous()
             return [CanonicalMatrix(q[i].contiguous(), fp16[i]) for i in range(len(experts))]
-        u = (q.to(torch.int16) + 8).to(torch.uint8)
-        packed = (u[..., 0::2] | (u[..., 1::2] << 4)).contiguous()
         fp16 = (row_scales * 16).to(torch.float16).contiguous()
         mins = (fp16.float() * -8).to(torch.float16)
-        return [CanonicalMatrix(packed[i], fp16[i], mins[i].contiguous()) for i in range(len(experts))]
+        return [
+            CanonicalMatrix(q[i].contiguous(), fp16[i], mins[i].contiguous()) for i in range(len(experts))
+        ]
 
 
 def whole_row_group(method_groups: tuple[int, ...], hidden: int, part_k: int) -> int:

@@ -8,6 +8,8 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <stdexcept>
+#include <string>
 #include <tuple>
 #include <utility>
 
@@ -16,6 +18,7 @@
 #include "kt/cpu_features.h"
 #include "kt/cuda_host.h"
 #include "kt/kernels.h"
+#include "kt/kt_kernel_layout.h"
 #include "kt/lora.h"
 #include "kt/membench.h"
 #include "kt/moe_layer.h"
@@ -553,4 +556,18 @@ PYBIND11_MODULE(_native, m) {
         quantize_rows(ptr<const void>(src), dtype, dst, 0, N);
       },
       "Quantizes a dense [N, K] matrix into caller-allocated canonical tensors (quantize.h).");
+  m.def(
+      "read_kt_kernel_tiles",
+      [](uintptr_t src, int64_t src_bytes, uintptr_t dst, int64_t dst_bytes, int64_t rows, int64_t row_bytes,
+         int64_t row_block, int64_t k_block_bytes, bool int4) {
+        const KtKernelTiles t{rows, row_bytes, row_block, k_block_bytes, int4};
+        check_kt_kernel_tiles(t);
+        if (src_bytes != rows * row_bytes || dst_bytes != rows * row_bytes)
+          throw std::invalid_argument("read_kt_kernel_tiles: buffers of " + std::to_string(src_bytes) +
+                                      " and " + std::to_string(dst_bytes) + " bytes for a matrix of " +
+                                      std::to_string(rows * row_bytes));
+        py::gil_scoped_release release;
+        read_kt_kernel_tiles(t, ptr<const uint8_t>(src), ptr<uint8_t>(dst));
+      },
+      "kt-kernel's packed matrix (its tile order) -> canonical row-major bytes (kt_kernel_layout.h).");
 }
