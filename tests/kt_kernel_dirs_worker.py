@@ -4,6 +4,9 @@ interpreter KT_SGLANG_KT_KERNEL_PYTHON names; it imports only torch and kt_kerne
   write DIR METHOD PARTS H I E SEED    quantizes random N(0, 1/fan_in) bf16 experts of layer 0 with
                                        kt-kernel and saves them as it does (``_layer_0/_numa_P/*.kt``);
                                        the bf16 weights go to DIR/dense.pt
+  convert MODEL OUT METHOD PARTS      every MoE layer of a Hugging Face Qwen3-MoE / Mixtral-style model
+                                       directory (``model.layers.L.mlp.experts.E.*_proj.weight``),
+                                       quantized and saved by kt-kernel as its converter does
   forward DIR METHOD PARTS H I E K T SEED OUT
                                        loads DIR as kt-kernel loads a converted directory and saves
                                        its output for T random tokens (inputs too) to OUT
@@ -19,7 +22,7 @@ import sys
 import torch
 
 
-def _layer(method: str, parts: int, H: int, I: int, E: int, top_k: int, max_len: int, **config):
+def _layer(method: str, parts: int, H: int, I: int, E: int, top_k: int, max_len: int, layer_idx=0, **config):
     import kt_kernel  # noqa: F401  (loads the kt_kernel_ext build this CPU runs)
     import kt_kernel_ext
     import kt_kernel_ext.moe as moe
@@ -29,7 +32,7 @@ def _layer(method: str, parts: int, H: int, I: int, E: int, top_k: int, max_len:
     cpu = kt_kernel_ext.CPUInfer(pool)
     mask = torch.zeros(E, dtype=torch.bool)
     cfg = moe.MOEConfig(E, top_k, H, I, mask.data_ptr())
-    cfg.layer_idx, cfg.pool, cfg.max_len = 0, cpu.backend_, max_len
+    cfg.layer_idx, cfg.pool, cfg.max_len = layer_idx, cpu.backend_, max_len
     for name, value in config.items():
         setattr(cfg, name, value)
     layer = {"AMXINT8": moe.AMXInt8_MOE, "AMXINT4": moe.AMXInt4_MOE}[method](cfg)
@@ -63,6 +66,47 @@ def write(out: str, method: str, parts: str, H: str, I: str, E: str, seed: str) 
     torch.save({"gate": gate, "up": up, "down": down}, os.path.join(out, "dense.pt"))
 
 
+def convert(model: str, out: str, method: str, parts: str) -> None:
+    import json
+    import re
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    tensors = {}
+    for f in sorted(Path(model).glob("*.safetensors")):
+        with safe_open(str(f), "pt") as h:
+            for name in h.keys():
+                m = re.match(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$", name)
+                if m:
+                    tensors[int(m[1]), int(m[2]), m[3]] = h.get_tensor(name).bfloat16()
+    config = json.loads((Path(model) / "config.json").read_text())
+    H = config["hidden_size"]
+    I = config.get("moe_intermediate_size") or config["intermediate_size"]
+    for layer in sorted({key[0] for key in tensors}):
+        E = 1 + max(key[1] for key in tensors if key[0] == layer)
+        gate, up, down = (
+            torch.stack([tensors[layer, e, proj] for e in range(E)]).contiguous()
+            for proj in ("gate", "up", "down")
+        )
+        _layer(
+            method,
+            int(parts),
+            H,
+            I,
+            E,
+            1,
+            64,
+            layer_idx=layer,
+            save=True,
+            load=False,
+            path=out,
+            gate_proj=gate.data_ptr(),
+            up_proj=up.data_ptr(),
+            down_proj=down.data_ptr(),
+        )
+
+
 def forward(path, method, parts, H, I, E, top_k, T, seed, out) -> None:
     parts, H, I, E, top_k, T = (int(v) for v in (parts, H, I, E, top_k, T))
     cpu, layer, _mask = _layer(
@@ -85,4 +129,4 @@ def forward(path, method, parts, H, I, E, top_k, T, seed, out) -> None:
 
 
 if __name__ == "__main__":
-    {"write": write, "forward": forward}[sys.argv[1]](*sys.argv[2:])
+    {"write": write, "convert": convert, "forward": forward}[sys.argv[1]](*sys.argv[2:])

@@ -196,3 +196,43 @@ def test_the_native_reader_checks_shapes_and_buffers():
         )
     with pytest.raises(ValueError, match="buffers of 4096 and 2048 bytes for a matrix of 4096"):
         _native.read_kt_kernel_tiles(src.ctypes.data, 4096, dst.data_ptr(), 2048, 64, 64, 64, 3584, False)
+
+
+@pytest.mark.parametrize("layout", ["raw", "safetensors"])
+@pytest.mark.parametrize("parts", [1, 2])
+@pytest.mark.parametrize("method", METHODS)
+def test_served_as_kt_kernel_serves_them(written, tmp_path, method, parts, layout):
+    """``KTMoEWrapper(method=..., weight_path=<kt-kernel's directory>)`` as kt-kernel's users call it:
+    its output against kt-kernel's own on the same directory (decode and prefill rows) and against
+    a float32 MoE of the decoded weights; with GPU experts and a slot map, only the held are read."""
+    from kt_sglang import KTMoEWrapper
+
+    path = (
+        written[method, parts] if layout == "raw" else as_safetensors(written[method, parts], tmp_path / "st")
+    )
+    for tokens in (3, 128):
+        out = tmp_path / f"kt-{tokens}.pt"
+        _run("forward", written[method, parts], method, parts, H, I, E, 2, tokens, 11, out)
+        theirs = torch.load(out)
+        layer = KTMoEWrapper(
+            0, E, 2, H, I, None, 2, 1, weight_path=str(path), chunked_prefill_size=128, method=method
+        )
+        assert layer.group_size == 128
+        layer.load_weights()
+        ours = layer.forward(theirs["x"], theirs["ids"], theirs["weights"]).float()
+        mats = [KtKernelDir(path).read(0, p, list(range(E)), H, I, 128) for p in ("gate", "up", "down")]
+        exact = _reference(mats, theirs["x"], theirs["ids"], theirs["weights"], method, 128)
+        rel = lambda a, b: float((a - b).norm() / b.norm())  # noqa: E731
+        # kt-kernel quantizes every activation row to int8 with one scale over all of K (~0.02 of
+        # its output); ours per group of 128 for INT8 (~0.01)
+        assert rel(ours, exact) < 0.02 and rel(theirs["y"].float(), exact) < 0.03
+        assert rel(ours, theirs["y"].float()) < 0.035
+    # GPU experts 0 and 3 are not read; slots 1 and 2 take source experts 2 and 1
+    mask = torch.tensor([True, False, False, True])
+    layer = KTMoEWrapper(0, E, 2, H, I, mask, 2, 1, weight_path=str(path), method=method)
+    layer.load_weights([0, 2, 1, 3])
+    x, ids = theirs["x"][:4], torch.tensor([[1, 2]] * 4)
+    w = torch.full((4, 2), 0.5)
+    swapped = [[m[i] for i in (0, 2, 1, 3)] for m in mats]
+    want = _reference(swapped, x, ids, w, method, 128)
+    assert rel(layer.forward(x, ids, w).float(), want) < 0.02

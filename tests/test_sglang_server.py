@@ -354,6 +354,39 @@ def test_qwen3_moe_serves_a_gguf_model(qwen_256, qtype, tmp_path):
     assert (torch.tensor(logprobs) - _chosen_logprobs(standalone, prompts)).abs().max() < LOGPROB_TOL
 
 
+@pytest.mark.parametrize("method", ["AMXINT8", "AMXINT4"])
+def test_qwen3_moe_serves_a_kt_kernel_directory(qwen_256, method, tmp_path):
+    """A kt-kernel user's command unchanged: --kt-method AMXINT8 / AMXINT4 --kt-weight-path at the
+    directory kt-kernel 0.7.2 itself converted (its raw .kt layout, two NUMA parts; 3 hot experts):
+    the server's ids and log-probabilities follow our standalone stack on the same directory."""
+    import os
+
+    python = os.environ.get("KT_SGLANG_KT_KERNEL_PYTHON")
+    if not python:
+        pytest.skip(
+            "needs KT_SGLANG_KT_KERNEL_PYTHON, a Python that imports kt-kernel 0.7.2: .ci/run sets it"
+        )
+    model_dir, converted = qwen_256, tmp_path / "kt-kernel"
+    converted.mkdir()
+    worker = Path(__file__).with_name("kt_kernel_dirs_worker.py")
+    done = subprocess.run(
+        [python, str(worker), "convert", str(model_dir), str(converted), method, "2"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    standalone = _hf_model(model_dir)
+    replace_experts(standalone, converted, method, hot=3)
+    prompts = _reference(standalone)
+    args = _kt(model_dir, method, gpu_experts=3)
+    args[args.index("--kt-weight-path") + 1] = str(converted)
+    logprobs: list = []
+    outs, log = _serve_and_generate(model_dir, args, prompts, tmp_path / "server.log", logprobs)
+    assert outs == [ids for _, ids in prompts]
+    assert (torch.tensor(logprobs) - _chosen_logprobs(standalone, prompts)).abs().max() < LOGPROB_TOL
+
+
 def _expert_adapter(model_dir: Path, out: Path) -> Path:
     """A LoRA adapter of the tiny model's routed experts (random, B != 0), saved in PEFT's format."""
     from kt_sglang.finetune.hf import attach_lora_experts, save_expert_adapter
