@@ -34,7 +34,7 @@ K = 8
 _PROBE = r"""
 import json, re, sys, threading, time, torch
 from kt_sglang import KTMoEWrapper
-import kt_sglang.weights.layer_loader  # the loaders' own imports are not the weights' memory
+import kt_sglang.weights.gguf  # the readers' own imports are not the weights' memory
 def rss(kind):  # RssAnon: what the engine allocates; RssFile: mapped files' pages (the page cache's)
     return int(re.search(kind + r":\s+(\d+)", open("/proc/self/status").read()).group(1)) * 1024
 def anon():

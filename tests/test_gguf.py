@@ -189,9 +189,9 @@ def test_split_and_fused_models(tmp_path):
 
 def test_physical_map_and_gpu_experts(tmp_path, monkeypatch):
     """Slots from a physical-to-logical map, the GPU's experts not read, three experts a step."""
-    from kt_sglang.weights import layer_loader
+    from kt_sglang.weights.sources import gguf as gguf_source
 
-    monkeypatch.setattr(layer_loader, "GGUF_STEP_BYTES", 3 * 3 * H * I)
+    monkeypatch.setattr(gguf_source, "GGUF_STEP_BYTES", 3 * 3 * H * I)
     path = tmp_path / "model.gguf"
     values = write_model(path, dict.fromkeys(("gate", "up", "down"), Q.Q8_0))[1]
     mask = torch.zeros(E, dtype=torch.bool)

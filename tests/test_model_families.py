@@ -266,7 +266,7 @@ def test_family_files_declare_the_fused_layout(tmp_path, monkeypatch):
 def test_a_layer_loads_a_few_experts_at_a_time(tmp_path, model_type, monkeypatch):
     """Quantized at load in steps of two experts (rows of the fused tensors read per step), with the
     GPU's experts skipped: the same packed layer as one step of all of them."""
-    from kt_sglang.weights import layer_loader
+    from kt_sglang.weights.sources import hf_checkpoint
 
     I, H = 64, 128
     weights = make_weights(E, I, H, seed=12)
@@ -277,7 +277,7 @@ def test_a_layer_loads_a_few_experts_at_a_time(tmp_path, model_type, monkeypatch
     ids, wts = make_routing(16, E, K, seed=13)
     outputs = []
     for chunk in (2**40, 2 * 3 * H * I * 4):  # one step; two experts a step
-        monkeypatch.setattr(layer_loader, "DENSE_STEP_BYTES", chunk)
+        monkeypatch.setattr(hf_checkpoint, "DENSE_STEP_BYTES", chunk)
         w = KTMoEWrapper(1, E, K, H, I, mask, 2, 1, weight_path=str(path), method="AMXINT8")
         w.load_weights()
         outputs.append(w.forward(x, ids, wts))

@@ -42,24 +42,29 @@ def _memory_bytes() -> tuple[int, int]:
 
 
 def _check_model(model: str, method: str, available: int, problems: list[str], advice: list[str]) -> None:
-    """What serving ``model`` with ``method`` needs in RAM, and converting it on disk."""
+    """What serving the weights at ``model`` with ``method`` (or the method they record) needs in RAM,
+    and converting them on disk."""
     import shutil
     from pathlib import Path
 
     from kt_sglang.engine.methods import parse_method, resolve_group
+    from kt_sglang.engine.weight_source import open_source
     from kt_sglang.weights.canonical_files import expert_bytes, format_size
-    from kt_sglang.weights.checkpoint import open_checkpoint
 
     try:
-        spec = open_checkpoint(model).spec
-        m = parse_method(method)
+        source = open_source(model)
+        recorded = source.recorded_method()
+        m = parse_method(recorded or method)
+        source.check_method(m, "--kt-method")
+        shape = source.shape()
+        group = resolve_group(m, source.recorded_group(m))
     except ValueError as exc:
         problems.append(str(exc))
         return
-    one = expert_bytes(m, resolve_group(m, None), spec.hidden_size, spec.intermediate_size)
-    experts = len(spec.moe_layers) * spec.num_experts * one
+    one = expert_bytes(m, group, shape.hidden_size, shape.intermediate_size)
+    experts = len(shape.moe_layers) * shape.num_experts * one
     print(
-        f"model {model}: {len(spec.moe_layers)} MoE layers x {spec.num_experts} experts; as {m.value} the "
+        f"model {model}: {len(shape.moe_layers)} MoE layers x {shape.num_experts} experts; as {m.value} the "
         f"CPU experts take {format_size(experts)} of RAM ({available / 2**30:.1f} GiB available)"
     )
     if experts > available:
@@ -67,6 +72,8 @@ def _check_model(model: str, method: str, available: int, problems: list[str], a
             f"the experts need {format_size(experts)} as {m.value}; {available / 2**30:.1f} GiB are "
             "available: a smaller method (AMXINT4) or more memory"
         )
+    if recorded is not None:  # converted already
+        return
     free = shutil.disk_usage(Path(model).resolve().parent).free
     print(
         f"  converting it (kt-sglang convert-cpu) writes {format_size(experts)}, twice that while "
@@ -80,7 +87,8 @@ def _check_model(model: str, method: str, available: int, problems: list[str], a
 
 def run_doctor(model: str | None = None, method: str = "AMXINT4") -> int:
     """Prints what this machine offers the engine and what to fix; 1 when something blocks it.
-    With ``model`` (a local checkpoint), also what serving and converting it need."""
+    With ``model`` (a local checkpoint, or any weight source), also what serving and converting it
+    need."""
     from kt_sglang.engine.native import _native
 
     problems: list[str] = []

@@ -40,7 +40,7 @@ def build_serve_command(model: str, user_args: list[str], method: str | None = N
             chosen.extend([flag] if value is None else [flag, str(value)])
 
     default("--kt-weight-path", model)
-    if method is not None or not _converted_weight_path(user_args):  # else the plugin reads its manifest
+    if method is not None or _recorded_method(user_args) is None:  # else the plugin takes the recorded one
         default("--kt-method", method or "AMXINT4")
     default("--kt-cpuinfer", serving_threads())
     default("--kt-threadpool-count", len(machine_nodes()))
@@ -57,15 +57,22 @@ def build_serve_command(model: str, user_args: list[str], method: str | None = N
     return [sys.executable, "-m", "sglang.launch_server", "--model-path", model, *chosen, *user_args]
 
 
-def _converted_weight_path(user_args: list[str]) -> bool:
-    from kt_sglang.weights.canonical_files import is_canonical_dir
+def _recorded_method(user_args: list[str]) -> str | None:
+    """The method the user's --kt-weight-path records (a converted directory's), if any."""
+    from kt_sglang.engine.weight_source import open_source
 
     for i, arg in enumerate(user_args):
         if arg == "--kt-weight-path" and i + 1 < len(user_args):
-            return is_canonical_dir(user_args[i + 1])
-        if arg.startswith("--kt-weight-path="):
-            return is_canonical_dir(arg.split("=", 1)[1])
-    return False
+            path = user_args[i + 1]
+        elif arg.startswith("--kt-weight-path="):
+            path = arg.split("=", 1)[1]
+        else:
+            continue
+        try:
+            return open_source(path).recorded_method()
+        except ValueError:  # the launcher's check names what is wrong with it
+            return None
+    return None
 
 
 def run_serve(model: str, user_args: list[str], method: str | None, dry_run: bool = False) -> int:

@@ -13,12 +13,13 @@ import weakref
 import numpy as np
 import torch
 
-from kt_sglang.engine.activation import SILU
+from kt_sglang.engine.activation import SILU, Glu
 from kt_sglang.engine.canonical import CanonicalMatrix, check_matrix
 from kt_sglang.engine.config import MoEConfig
 from kt_sglang.engine.methods import METHODS, resolve_group
 from kt_sglang.engine.native import NATIVE_DTYPES, _native
 from kt_sglang.engine.pools import SharedRunner, plan_pools, selected_isa
+from kt_sglang.engine.weight_source import LayerMethods, WeightSource, open_source
 
 
 def contiguous_as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -31,9 +32,10 @@ class BaseMoEWrapper:
     """The CPU experts of one MoE layer, built from a `MoEConfig`.
 
     The configuration's fields read as the layer's attributes (kt-kernel's names), except those the
-    layer resolves against the checkpoint and the machine: ``group_size``, ``isa``, ``activation``
-    (and ``layout``, the pools' placement); ``config`` keeps what was asked. ``gpu_experts_mask``
-    starts as the configuration's.
+    layer resolves against its weights and the machine: ``method``, ``group_size``, ``down_method``,
+    ``down_group_size``, ``isa``, ``activation`` (and ``layout``, the pools' placement); ``config``
+    keeps what was asked, ``source`` is the `WeightSource` at ``weight_path`` (None without one).
+    ``gpu_experts_mask`` starts as the configuration's.
     """
 
     # Every live layer of the process: drained at exit, before the buffers their tasks read go away.
@@ -41,19 +43,17 @@ class BaseMoEWrapper:
 
     def __init__(self, config: MoEConfig) -> None:
         self.config = config
-        group_size = config.group_size
-        if group_size is None and config.weight_path is not None:
-            from kt_sglang.weights.layer_loader import recorded_group
-
-            group_size = recorded_group(config.weight_path, config.method)
-        self.group_size = resolve_group(config.method, group_size)
+        self.source: WeightSource | None = None
+        methods = LayerMethods(config.method, None)
+        if config.weight_path is not None:
+            self.source = open_source(config.weight_path)
+            methods = self.source.layer_methods(config)
+        self.method = methods.method
+        group = config.group_size if config.group_size is not None else methods.group_size
+        self.group_size = resolve_group(methods.method, group)
+        self.down_method = methods.down_method or methods.method
         self.isa = selected_isa(config.isa)
-        activation = config.activation
-        if activation is None:  # the checkpoint's, as load_weights will read it; else plain SiLU
-            from kt_sglang.weights.layer_loader import checkpoint_activation
-
-            activation = checkpoint_activation(config.weight_path) if config.weight_path is not None else SILU
-        self.activation = activation
+        self.activation = config.activation if config.activation is not None else self._source_activation()
         self.layout = plan_pools(config.cpuinfer_threads, config.threadpool_count, config.numa_nodes)
         self._runner, workspace = SharedRunner.get(self.layout)
         # The experts the forward skips: the configuration's, until a caller sets another mask.
@@ -65,19 +65,29 @@ class BaseMoEWrapper:
             config.num_experts_per_tok,
             config.hidden_size,
             config.moe_intermediate_size,
-            config.method.native,
+            self.method.native,
             self.group_size,
             self.isa,
             config.chunked_prefill_size,
-            activation.native_kind,
-            activation.limit,
-            activation.alpha,
+            self.activation.native_kind,
+            self.activation.limit,
+            self.activation.alpha,
             # the GPU's experts get no packed weights here (kt-kernel keeps a CPU copy of every one)
             mask.to(torch.uint8).tolist() if mask is not None else [],
-            config.down_method.native if config.down_method is not None else None,
-            config.down_group_size or 0,
+            methods.down_method.native if methods.down_method is not None else None,
+            methods.down_group_size or 0,
         )
         BaseMoEWrapper._layers.add(self)
+
+    def _source_activation(self) -> Glu:
+        """The source's activation, as load_weights will read it; plain SiLU without a source, or
+        where the source cannot be read (load_weights names the problem)."""
+        if self.source is None:
+            return SILU
+        try:
+            return self.source.activation()
+        except (OSError, ValueError):
+            return SILU
 
     # The configuration's fields, as kt-kernel's wrapper names them.
     layer_idx = property(lambda self: self.config.layer_idx)
@@ -85,9 +95,7 @@ class BaseMoEWrapper:
     num_experts_per_tok = property(lambda self: self.config.num_experts_per_tok)
     hidden_size = property(lambda self: self.config.hidden_size)
     moe_intermediate_size = property(lambda self: self.config.moe_intermediate_size)
-    method = property(lambda self: self.config.method)
-    # The down projection's method and group (a GGUF layer may store it in another type than gate/up)
-    down_method = property(lambda self: self.config.down_method or self.config.method)
+    # The down projection's group (a GGUF layer may store down in another type than gate/up)
     down_group_size = property(lambda self: self._layer.down_group)
     weight_path = property(lambda self: self.config.weight_path)
     chunked_prefill_size = property(lambda self: self.config.chunked_prefill_size)
@@ -232,21 +240,19 @@ class BaseMoEWrapper:
         return any(r is not None for r in getattr(self, "_biases", ()))
 
     def load_weights(self, physical_to_logical_map: torch.Tensor | list[int] | None = None) -> None:
-        """Loads this layer's experts from ``weight_path``: a canonical directory written by
-        ``kt-sglang convert-cpu``, or the Hugging Face checkpoint itself (bf16 / fp16 / fp32, FP8,
-        INT4, MXFP4), quantized to ``method`` on load, or taken as it is by the method that reads its
-        format (``METHODS[m].checkpoint_format``: FP8, RAWINT4, GPTQ_INT4, MXFP4). The layer's
-        ``activation`` is the checkpoint's unless the constructor was given another, which is refused
-        here; expert biases (gpt-oss) are loaded with the weights.
+        """Loads this layer's experts from its source at ``weight_path`` (kt_sglang.weights.sources):
+        a directory written by ``kt-sglang convert-cpu``, a GGUF model, or the Hugging Face checkpoint
+        itself (bf16 / fp16 / fp32, FP8, INT4, MXFP4), quantized to ``method`` on load, or taken as it
+        is by the method that reads its format (``METHODS[m].checkpoint_format``: FP8, RAWINT4,
+        GPTQ_INT4, MXFP4). The layer's ``activation`` is the source's unless the constructor was given
+        another, which is refused here; expert biases (gpt-oss) are loaded with the weights.
 
-        Slot e takes checkpoint expert ``physical_to_logical_map[e]`` (identity by default); only the
-        experts named are read.
+        Slot e takes the source's expert ``physical_to_logical_map[e]`` (identity by default); only
+        the experts named are read.
         """
-        from kt_sglang.weights.layer_loader import load_layer
-
-        if not self.weight_path:
+        if self.source is None:
             raise ValueError("load_weights needs weight_path; use load_weights_from_tensors for tensors")
-        load_layer(self, physical_to_logical_map)
+        self.source.load(self, physical_to_logical_map)
 
     def holds(self, expert: int) -> bool:
         """Whether this layer holds (packs, computes) expert slot ``expert``: not one of the GPU's."""

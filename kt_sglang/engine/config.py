@@ -1,8 +1,8 @@
 """The configuration of one layer's CPU experts: kt-kernel's constructor arguments, validated.
 
 `MoEConfig` holds what the arguments alone decide (shapes, method, mask); what depends on the machine
-(ISA, pools) or on the checkpoint (its recorded group size, its activation) the layer resolves when
-it is built. `SFTConfig` adds the fine-tuning layer's LoRA settings.
+(ISA, pools) or on the weights (their methods, recorded group size, activation) the layer resolves
+when it is built, from its weight source. `SFTConfig` adds the fine-tuning layer's LoRA settings.
 """
 
 from __future__ import annotations
@@ -51,13 +51,13 @@ class MoEConfig:
     Ours: ``group_size`` (quantization group; None: what a converted ``weight_path`` records, else
     the method's own), ``isa`` (kernel family; None: ``KT_SGLANG_ISA`` or the best the CPU runs),
     ``activation`` (None: the checkpoint's, else SiLU) and ``expert_lora_path`` (a PEFT adapter merged
-    into the experts on load). After construction ``method`` is a `Method` and ``gpu_experts_mask`` a
-    contiguous bool CPU tensor (or None).
+    into the experts on load). After construction ``method`` is a `Method` (None with a
+    ``file_method``) and ``gpu_experts_mask`` a contiguous bool CPU tensor (or None).
 
     ``method="LLAMAFILE"`` (kt-kernel's GGUF method) takes the layer's engine methods and groups from
-    the GGUF model at ``weight_path`` (the block types of the layer's expert tensors, whose shapes and
-    metadata are checked against the arguments): ``method`` and ``group_size`` for gate/up,
-    ``down_method`` and ``down_group_size`` for down; ``file_method`` keeps the name given.
+    the weight file: ``file_method`` keeps the name given and ``method`` is None; the layer asks its
+    weight source (engine/weight_source.py) for the methods and groups of gate/up and of down. The
+    configuration itself reads no file.
     """
 
     # The layer's shape
@@ -75,15 +75,13 @@ class MoEConfig:
     chunked_prefill_size: int = 4096
     cpu_save: bool = False
     max_deferred_experts_per_token: int | None = None
-    method: str | Method = "AMXINT4"
+    method: str | Method | None = "AMXINT4"
     numa_nodes: list[int] | None = None
     group_size: int | None = None
     isa: str | None = None
     activation: Glu | None = None
     expert_lora_path: str | None = None
     file_method: str | None = field(init=False, default=None)
-    down_method: Method | None = field(init=False, default=None)  # None: method
-    down_group_size: int | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         for name, value, largest in (
@@ -105,36 +103,21 @@ class MoEConfig:
             raise ValueError(
                 f"chunked_prefill_size must be a positive integer, got {self.chunked_prefill_size!r}"
             )
-        if str(self.method).upper() in FILE_METHODS:
-            self._take_method_from_file()
-        method = parse_method(self.method)
-        if self.group_size is not None:
-            resolve_group(method, self.group_size)
-        object.__setattr__(self, "method", method)
-        object.__setattr__(self, "gpu_experts_mask", self._checked_mask(self.gpu_experts_mask))
-
-    def _take_method_from_file(self) -> None:
-        from kt_sglang.weights.gguf import open_gguf
-
         name = str(self.method).upper()
-        if self.weight_path is None:
-            raise ValueError(
-                f"method {name} computes each GGUF tensor in its own type: give weight_path (a .gguf "
-                "file, the first of a split set, or a directory holding one model)"
-            )
-        (method, group), (down_method, down_group) = open_gguf(self.weight_path).layer_methods(
-            self.layer_idx, self.num_experts, self.hidden_size, self.moe_intermediate_size
-        )
-        if self.group_size is not None and self.group_size != group:
-            raise ValueError(
-                f"group_size={self.group_size}: layer {self.layer_idx} of {self.weight_path} is stored in "
-                f"blocks of {group} ({method}); leave group_size unset"
-            )
-        object.__setattr__(self, "file_method", name)
-        object.__setattr__(self, "method", method)
-        object.__setattr__(self, "group_size", group)
-        object.__setattr__(self, "down_method", parse_method(down_method))
-        object.__setattr__(self, "down_group_size", down_group)
+        if name in FILE_METHODS:  # the layer's source names the methods
+            if self.weight_path is None:
+                raise ValueError(
+                    f"method {name} computes each GGUF tensor in its own type: give weight_path (a .gguf "
+                    "file, the first of a split set, or a directory holding one model)"
+                )
+            object.__setattr__(self, "file_method", name)
+            object.__setattr__(self, "method", None)
+        else:
+            method = parse_method(self.method)
+            if self.group_size is not None:
+                resolve_group(method, self.group_size)
+            object.__setattr__(self, "method", method)
+        object.__setattr__(self, "gpu_experts_mask", self._checked_mask(self.gpu_experts_mask))
 
     def _checked_mask(self, mask) -> torch.Tensor | None:
         if mask is None:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from kt_sglang.engine.weight_source import WeightSource
     from kt_sglang.placement.heat import HeatConfig
 
 ENV_VAR = "KT_SGLANG_SETTINGS"
@@ -257,7 +258,6 @@ def resolve(server_args, extra: argparse.Namespace, argv: list[str]) -> KtSettin
     """All `--kt-*` settings with defaults filled in and checked; None when CPU experts are off."""
     from kt_sglang.engine.methods import FILE_METHODS, parse_method
     from kt_sglang.engine.pools import check_thread_count, machine_nodes, reserved_cores, serving_threads
-    from kt_sglang.weights.canonical_files import Manifest, is_canonical_dir
 
     weight_path = getattr(server_args, "kt_weight_path", None)
     ours = [f for f, v in vars(extra).items() if v not in (None, "uniform")]
@@ -280,9 +280,10 @@ def resolve(server_args, extra: argparse.Namespace, argv: list[str]) -> KtSettin
         method = name if name in FILE_METHODS else parse_method(name).value
     except ValueError as exc:
         raise KtSettingsError(f"--kt-method: {exc}") from None
-    if not flag_given(argv, "--kt-method") and is_canonical_dir(weight_path):
-        try:  # a converted directory records its method; SGLang's default (AMXINT4) does not apply
-            method = Manifest.read(Path(weight_path)).method
+    source = weight_source(weight_path)
+    if not flag_given(argv, "--kt-method"):
+        try:  # a source that records its method (a converted directory): SGLang's default does not apply
+            method = source.recorded_method() or method
         except ValueError as exc:
             raise KtSettingsError(f"--kt-weight-path: {exc}") from None
     nodes = len(machine_nodes())
@@ -374,10 +375,20 @@ def resolve(server_args, extra: argparse.Namespace, argv: list[str]) -> KtSettin
         gpu_experts_memory_gib=memory,
         heat=heat,
     )
-    check_against_model(settings, server_args.model_path)
+    check_against_model(settings, source, server_args.model_path)
     if settings.expert_lora_path:
-        check_expert_adapter(settings)
+        check_expert_adapter(settings, source)
     return settings
+
+
+def weight_source(weight_path: str) -> WeightSource:
+    """The source at --kt-weight-path (what it is, from its markers: nothing is read yet)."""
+    from kt_sglang.engine.weight_source import open_source
+
+    try:
+        return open_source(weight_path)
+    except ValueError as exc:
+        raise KtSettingsError(f"--kt-weight-path: {exc}") from None
 
 
 def check_cpu_tensor_parallel(server_args, tp_size: int) -> None:
@@ -442,13 +453,12 @@ def check_heat_flags(
     return given
 
 
-def check_expert_adapter(settings: KtSettings) -> None:
+def check_expert_adapter(settings: KtSettings, source: WeightSource) -> None:
     """The adapter opens, and the CPU experts can take it: it is merged into dense weights before the
     engine quantizes them, so --kt-weight-path must be a checkpoint of bf16 / fp16 / fp32 (or FP8)
     experts and --kt-method one the engine quantizes to."""
     from kt_sglang.engine.methods import METHODS
     from kt_sglang.finetune.adapter import AdapterError, ExpertAdapter
-    from kt_sglang.weights.canonical_files import is_canonical_dir
 
     try:
         ExpertAdapter(settings.expert_lora_path)
@@ -460,11 +470,10 @@ def check_expert_adapter(settings: KtSettings) -> None:
             f"--kt-expert-lora-path with --kt-method {settings.method}: the adapter is merged into the "
             f"weights before they are quantized; use one of {', '.join(quantizing)}"
         )
-    if is_canonical_dir(settings.weight_path):
-        raise KtSettingsError(
-            f"--kt-expert-lora-path with a converted --kt-weight-path ({settings.weight_path}): the adapter "
-            "is merged before quantizing; point --kt-weight-path at the model's checkpoint instead"
-        )
+    try:
+        source.check_adapter()
+    except ValueError as exc:
+        raise KtSettingsError(f"--kt-expert-lora-path with --kt-weight-path: {exc}") from None
 
 
 def check_memory_budget(settings: KtSettings, model_path: str, facts: ModelFacts) -> None:
@@ -486,28 +495,16 @@ def check_memory_budget(settings: KtSettings, model_path: str, facts: ModelFacts
         )
 
 
-def check_against_model(settings: KtSettings, model_path: str) -> None:
-    """Counts and files against the model's config (when the model is a local directory)."""
-    from kt_sglang.engine.methods import FILE_METHODS
+def check_against_model(settings: KtSettings, source: WeightSource, model_path: str) -> None:
+    """The method reads the source, and (when the model is a local directory) the counts and files
+    fit the model's config."""
     from kt_sglang.placement import PlacementStats
-    from kt_sglang.weights.canonical_files import MANIFEST, Manifest, is_canonical_dir, verify_files
     from kt_sglang.weights.checkpoint import open_checkpoint
-    from kt_sglang.weights.gguf import open_gguf
-    from kt_sglang.weights.source import is_gguf
 
-    path = Path(settings.weight_path)
-    gguf = settings.method in FILE_METHODS
-    if not path.exists():
-        raise KtSettingsError(f"--kt-weight-path {path} does not exist")
-    if not path.is_dir() and not gguf:
-        raise KtSettingsError(f"--kt-weight-path {path} is not a directory")
-    if gguf != is_gguf(path):
-        raise KtSettingsError(
-            f"--kt-weight-path {path} holds a GGUF model: use --kt-method LLAMAFILE"
-            if not gguf
-            else f"--kt-weight-path {path}: --kt-method {settings.method} reads GGUF models (a .gguf file, "
-            "the first of a split set, or a directory of one), and this is none"
-        )
+    try:
+        source.check_method(settings.method, "--kt-method")
+    except ValueError as exc:
+        raise KtSettingsError(f"--kt-weight-path: {exc}") from None
     facts = model_facts(model_path)
     if facts is None:
         return
@@ -524,43 +521,18 @@ def check_against_model(settings: KtSettings, model_path: str) -> None:
             f"routes each token to {k} experts; use 0..{k - 1}"
         )
     try:
-        if gguf:
-            spec = open_checkpoint(model_path).spec
-            where, theirs = path, (spec.num_experts, spec.hidden_size, spec.intermediate_size)
-            weights = open_gguf(path)
-            for layer in spec.moe_layers:  # shapes, metadata and block types, layer by layer
-                weights.layer_methods(layer, *theirs)
-        elif is_canonical_dir(path):
-            m = Manifest.read(path)
-            where = path / MANIFEST
-            if m.method != settings.method:
-                raise KtSettingsError(
-                    f"--kt-weight-path {path} holds {m.method} weights ({where}); --kt-method is "
-                    f"{settings.method}: convert again or change --kt-method"
-                )
-            theirs = (m.num_experts, m.hidden_size, m.intermediate_size)
-            verify_files(path, m)
-        else:
-            ckpt = open_checkpoint(path)
-            ckpt.verify_files()
-            spec = ckpt.spec
-            if spec.moe_layers:  # experts the readers know (a kt-kernel conversion is named now)
-                ckpt.layer_format(spec.moe_layers[0])
-            where = path / "config.json"
-            theirs = (spec.num_experts, spec.hidden_size, spec.intermediate_size)
-    except KtSettingsError:
-        raise
-    except ValueError as exc:  # CheckpointError, unknown family, bad manifest
-        raise KtSettingsError(f"--kt-weight-path: {exc}") from None
-    try:
-        model = open_checkpoint(model_path).spec
+        model = open_checkpoint(model_path).shape()
     except ValueError as exc:  # e.g. an index that does not describe the model's files
         raise KtSettingsError(f"--model-path: {exc}") from None
-    ours = (model.num_experts, model.hidden_size, model.intermediate_size)
-    if theirs != ours:
+    try:
+        source.verify(settings.method, model)
+        theirs = source.shape()
+    except ValueError as exc:  # CheckpointError, unknown family, bad manifest
+        raise KtSettingsError(f"--kt-weight-path: {exc}") from None
+    if theirs.sizes() != model.sizes():
         raise KtSettingsError(
-            f"--kt-weight-path {path} is for another model: {where} has (experts, hidden, intermediate) = "
-            f"{theirs}; {model_path} has {ours}"
+            f"--kt-weight-path {source.path} is for another model: {theirs.where} has (experts, hidden, "
+            f"intermediate) = {theirs.sizes()}; {model_path} has {model.sizes()}"
         )
     if settings.placement_stats:
         try:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kt_sglang.engine.weight_source import ModelShape
 from kt_sglang.weights import formats
 from kt_sglang.weights.families import ModelFamily, family_for
 from kt_sglang.weights.source import CheckpointError, TensorSource, kt_kernel_conversion, unreadable
@@ -71,6 +72,17 @@ class Checkpoint:
             values["intermediate_size"],
             values["num_layers"],
             layers,
+        )
+
+    def shape(self) -> ModelShape:
+        """The MoE shape the config gives."""
+        spec = self.spec
+        return ModelShape(
+            spec.num_experts,
+            spec.hidden_size,
+            spec.intermediate_size,
+            spec.moe_layers,
+            str(self.path / "config.json"),
         )
 
     def verify_files(self) -> None:

@@ -21,6 +21,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueTy
 
 from kt_sglang.engine.activation import SILU, Glu
 from kt_sglang.engine.canonical import CanonicalMatrix
+from kt_sglang.engine.weight_source import ModelShape
 from kt_sglang.weights.gguf_blocks import BLOCK_TYPES, BlockType
 from kt_sglang.weights.source import CheckpointError, unreadable
 
@@ -151,6 +152,14 @@ class GgufModel:
         """The layers holding routed experts."""
         found = re.compile(r"^blk\.(\d+)\.ffn_down_exps\.weight$")
         return sorted(int(m[1]) for name in self._tensors if (m := found.match(name)))
+
+    def shape(self) -> ModelShape:
+        """The MoE shape the expert tensors have (those of the first layer that holds some)."""
+        layers = self.expert_layers()
+        if not layers:
+            raise CheckpointError(f"{self.files[0]} holds no routed experts (no {_DOWN.format(layer='N')})")
+        down = self.tensor(_DOWN.format(layer=layers[0]))  # [E, H, I]
+        return ModelShape(down.experts, down.rows, down.cols, tuple(layers), str(self.files[0]))
 
     def layer_experts(self, layer: int) -> dict[str, tuple[ExpertTensor, int]]:
         """gate, up, down: each projection's tensor and the first of its rows."""

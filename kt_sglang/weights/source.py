@@ -21,6 +21,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from kt_sglang.engine.weight_source import WeightSourceError
+
 # The format name in the manifest, shards and index that `kt-sglang convert-cpu` writes (canonical_files).
 CANONICAL_FORMAT = "kt-sglang-experts"
 
@@ -48,7 +50,7 @@ _DTYPES = {
 }
 
 
-class CheckpointError(ValueError):
+class CheckpointError(WeightSourceError):
     """The checkpoint does not hold what the model needs; the message names file and tensor."""
 
 
@@ -201,9 +203,3 @@ class TensorSource:
     def where(self, name: str) -> str:
         """``name in <its shard>`` for messages (the name alone when the checkpoint lacks it)."""
         return f"{name} in {self._files[name].name}" if name in self._files else name
-
-
-def is_gguf(path: str | Path) -> bool:
-    """Whether ``path`` is a ``.gguf`` file or a directory holding some."""
-    p = Path(path)
-    return p.suffix == ".gguf" if not p.is_dir() else any(p.glob("*.gguf"))
