@@ -224,9 +224,11 @@ def test_served_as_kt_kernel_serves_them(written, tmp_path, method, parts, layou
         exact = _reference(mats, theirs["x"], theirs["ids"], theirs["weights"], method, 128)
         rel = lambda a, b: float((a - b).norm() / b.norm())  # noqa: E731
         # kt-kernel quantizes every activation row to int8 with one scale over all of K (~0.02 of
-        # its output); ours per group of 128 for INT8 (~0.01)
-        assert rel(ours, exact) < 0.02 and rel(theirs["y"].float(), exact) < 0.03
-        assert rel(ours, theirs["y"].float()) < 0.035
+        # its output); ours per group of 128 for INT8 (~0.01), per row for INT4, whose whole-K
+        # kernel (from 64 rows an expert) also rounds the weights to int8 per channel (docs/engine.md)
+        bound = 0.02 if method == "AMXINT8" else 0.035
+        assert rel(ours, exact) < bound and rel(theirs["y"].float(), exact) < 0.03, (tokens, rel(ours, exact))
+        assert rel(ours, theirs["y"].float()) < bound + 0.015
     # GPU experts 0 and 3 are not read; slots 1 and 2 take source experts 2 and 1
     mask = torch.tensor([True, False, False, True])
     layer = KTMoEWrapper(0, E, 2, H, I, mask, 2, 1, weight_path=str(path), method=method)

@@ -272,9 +272,10 @@ def test_the_gpus_experts_are_neither_read_nor_held(tmp_path, method):
 
 
 @pytest.mark.parametrize("layout", ["safetensors", "raw"])
-def test_a_kt_kernel_conversion_is_named(tmp_path, layout):
-    """kt-kernel's convert_cpu_weights.py output (its packed AMX/AOCL experts per NUMA shard): named,
-    with what to point --kt-weight-path at instead."""
+def test_a_kt_kernel_conversion_it_cannot_read_is_named(tmp_path, layout):
+    """kt-kernel's converted directories are served (tests/test_kt_kernel_dirs.py); one whose tensors
+    are not a kt-kernel INT8 / INT4 layer of the model, or of a kt-kernel type we do not read, is
+    refused naming the file."""
     if layout == "safetensors":
         tensors = {
             f"blk.1.ffn_{p}_exps.{e}.numa.0.{t}": torch.zeros(64, dtype=torch.int8)
@@ -283,13 +284,14 @@ def test_a_kt_kernel_conversion_is_named(tmp_path, layout):
             for t in ("weight", "scale")
         }
         path = write_checkpoint(tmp_path / "converted", qwen_config(), tensors)
+        message = r"blk\.1\.ffn_gate_exps\.0\.numa\.0\.weight in .* holds 64 bytes: neither INT8 nor INT4"
     else:
         path = tmp_path / "converted"
         (path / "_layer_1" / "_numa_0").mkdir(parents=True)
-        (path / "_layer_1" / "_numa_0" / "MOE_INT8_up_0_64Byte_quant_.kt").write_bytes(bytes(64))
+        (path / "_layer_1" / "_numa_0" / "INT4_1K_up_0_64Byte_quant_.kt").write_bytes(bytes(64))
         (path / "config.json").write_text(json.dumps(qwen_config()))
-    layer = KTMoEWrapper(1, E, K, H, I, None, 1, 1, weight_path=str(path), method="MOE_INT8")
-    with pytest.raises(
-        CheckpointError, match=r"written by kt-kernel's convert_cpu_weights\.py.*kt-sglang convert-cpu"
-    ):
-        layer.load_weights()
+        message = (
+            r"INT4_1K_up_0_64Byte_quant_\.kt: kt-kernel's INT4_1K experts are not a layout kt-sglang reads"
+        )
+    with pytest.raises(CheckpointError, match=message):
+        KTMoEWrapper(1, E, K, H, I, None, 1, 1, weight_path=str(path), method="MOE_INT8").load_weights()

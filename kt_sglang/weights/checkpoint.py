@@ -19,7 +19,7 @@ import torch
 from kt_sglang.engine.weight_source import ModelShape
 from kt_sglang.weights import formats
 from kt_sglang.weights.families import ModelFamily, family_for
-from kt_sglang.weights.source import CheckpointError, TensorSource, kt_kernel_conversion, unreadable
+from kt_sglang.weights.source import CheckpointError, TensorSource, unreadable
 
 if TYPE_CHECKING:  # imported where used: reading a checkpoint needs no native engine
     from kt_sglang.engine.canonical import CanonicalMatrix
@@ -108,8 +108,6 @@ class Checkpoint:
         """The format of the layer's experts (the first of the registry that detects itself)."""
         found = formats.detect(self, layer)
         if found is None:
-            if (converted := kt_kernel_conversion(self.path, self.source.names())) is not None:
-                raise converted
             pattern = self.family.experts.get("gate", "").format(layer=layer, expert=0)
             raise CheckpointError(
                 f"layer {layer}: no expert tensors ({pattern} or fused gate_up_proj) in {self.path}"

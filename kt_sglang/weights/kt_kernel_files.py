@@ -45,7 +45,7 @@ TYPES = {"INT8": ("AMXINT8", 8, 64, 3584), "INT4": ("AMXINT4", 4, 128, 1792)}
 
 _RAW_LAYER = re.compile(r"^_layer_(\d+)$")
 _RAW_PART = re.compile(r"^_numa_(\d+)$")
-_RAW_FILE = re.compile(r"^(INT8|INT4)_(gate|up|down)_(\d+)_(\d+)Byte_(quant|scale)_\.kt$")
+_RAW_FILE = re.compile(r"^(\w+?)_(gate|up|down)_(\d+)_(\d+)Byte_(quant|scale)_\.kt$")
 _KEY = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.(\d+)\.numa\.(\d+)\.(weight|scale)$")
 
 
@@ -133,6 +133,12 @@ class KtKernelDir:
                     if not fm:
                         continue
                     type_name, proj, expert, size, kind = fm.groups()
+                    if type_name not in TYPES:
+                        raise CheckpointError(
+                            f"{f}: kt-kernel's {type_name} experts are not a layout kt-sglang reads "
+                            f"(it reads {', '.join(TYPES)}: AMXINT8 / AMXINT4); point --kt-weight-path at "
+                            "the model's checkpoint"
+                        )
                     if self.type_name not in (None, type_name):
                         raise CheckpointError(
                             f"{f} is {type_name}, other files of {self.path} are {self.type_name}: "

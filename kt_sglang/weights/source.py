@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import stat
 from pathlib import Path
 
@@ -52,25 +51,6 @@ _DTYPES = {
 
 class CheckpointError(WeightSourceError):
     """The checkpoint does not hold what the model needs; the message names file and tensor."""
-
-
-# What kt-kernel's convert_cpu_weights.py writes: its packed experts, per NUMA shard, as safetensors
-# (``blk.{L}.ffn_up_exps.{E}.numa.{N}.weight``) or raw ``_layer_{L}/_numa_{N}/*.kt`` files.
-_KT_KERNEL_KEY = re.compile(r"^blk\.\d+\.ffn_(?:gate|up|down)_exps\.\d+\.numa\.\d+\.(?:weight|scale)$")
-
-
-def kt_kernel_conversion(path: Path, names: list[str] | None = None) -> CheckpointError | None:
-    """The error for a directory kt-kernel's converter wrote (its AMX / AOCL / KML packed layouts are
-    its kernels' and its NUMA count's, not a checkpoint format); None for any other."""
-    raw = any(path.glob("_layer_*/_numa_*"))
-    if not raw and not any(_KT_KERNEL_KEY.match(n) for n in names or ()):
-        return None
-    return CheckpointError(
-        f"{path} was written by kt-kernel's convert_cpu_weights.py: its experts are packed for kt-kernel's "
-        "own kernels and NUMA count, which kt-sglang does not read. Point --kt-weight-path at the model's "
-        "checkpoint (AMXINT4 / AMXINT8, and kt-kernel's MOE_INT4 / MOE_INT8, quantize it on load) or at a "
-        "directory `kt-sglang convert-cpu` wrote (kt-kernel's flags)"
-    )
 
 
 def unreadable(path: Path) -> str | None:
@@ -137,9 +117,7 @@ class TensorSource:
             return files
         shards = sorted(self.path.glob("*.safetensors"))
         if not shards:
-            raise kt_kernel_conversion(self.path) or CheckpointError(
-                f"{self.path} holds no *.safetensors files"
-            )
+            raise CheckpointError(f"{self.path} holds no *.safetensors files")
         files = {}
         for shard in shards:
             for name in self._open(shard).keys():

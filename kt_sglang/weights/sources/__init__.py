@@ -7,6 +7,6 @@ Imported by ``kt_sglang/__init__.py`` after the engine, so every layer finds the
 
 from __future__ import annotations
 
-from kt_sglang.weights.sources import converted, gguf, hf_checkpoint
+from kt_sglang.weights.sources import converted, gguf, hf_checkpoint, kt_kernel
 
-__all__ = ["converted", "gguf", "hf_checkpoint"]
+__all__ = ["converted", "gguf", "hf_checkpoint", "kt_kernel"]
