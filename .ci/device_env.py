@@ -6,7 +6,10 @@ dependencies, closed over their requirements as installed here), less what the h
 (.ci/device-packages.txt), each pinned to the version installed here, the one the tests ran with.
 
     python .ci/device_env.py wheels          # the distributions to carry, NAME==VERSION per line
-    python .ci/device_env.py fetch DIR       # download them for CPython 3.12 x86-64 into DIR
+    python .ci/device_env.py fetch DIR       # download them for CPython 3.12 x86-64 into DIR, and
+                                             # kt-kernel's AMX build into DIR/kt-kernel/ (KT_KERNEL)
+    python .ci/device_env.py kt-kernel SITE DIR  # the files of KT_KERNEL_FILES from an installed
+                                             # kt-kernel (SITE) into DIR (tests check the selection)
     python .ci/device_env.py tests           # the test files the device check runs
     python .ci/device_env.py check [--without NAME ...]
         # import everything the device check imports, with only the host's and the carried
@@ -101,6 +104,43 @@ def carried_wheels() -> dict[str, str]:
     return dict(sorted(wanted.items()))
 
 
+# kt-kernel, run side by side with ours on the device host (`kt-sglang bench --kt-kernel-python`):
+# of its wheel (~100 MB: CUDA kernels, NCCL) only its Python files, its AMX extension and the
+# libraries that extension links travel (~12 MB).
+KT_KERNEL = "kt-kernel==0.7.2"
+KT_KERNEL_FILES = re.compile(
+    r"^(kt_kernel/(?!cli/).*\.py|kt_kernel/_kt_kernel_ext_amx\..*\.so|kt_kernel\.libs/.*)$"
+)
+
+
+def select_kt_kernel(names: list[str]) -> list[str]:
+    return [n for n in names if KT_KERNEL_FILES.match(n)]
+
+
+def copy_kt_kernel(site: Path, target: Path) -> None:
+    """KT_KERNEL_FILES of an installed kt-kernel into ``target``."""
+    names = [str(p.relative_to(site)) for p in site.rglob("*") if p.is_file()]
+    for name in select_kt_kernel(names):
+        (target / name).parent.mkdir(parents=True, exist_ok=True)
+        (target / name).write_bytes((site / name).read_bytes())
+
+
+def fetch_kt_kernel(target: Path) -> None:
+    """KT_KERNEL_FILES of kt-kernel's CPython 3.12 wheel into ``target``/site."""
+    import tempfile
+    import zipfile
+
+    with tempfile.TemporaryDirectory() as scratch:
+        cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+               "--python-version", HOST_PYTHON, "--implementation", "cp", "--platform",
+               "manylinux_2_35_x86_64", "-d", scratch, KT_KERNEL]  # fmt: skip
+        subprocess.run(cmd, check=True)
+        (wheel,) = Path(scratch).glob("*.whl")
+        with zipfile.ZipFile(wheel) as z:
+            for name in select_kt_kernel(z.namelist()):
+                z.extract(name, target / "site")
+
+
 def fetch(target: Path) -> None:
     target.mkdir(parents=True, exist_ok=True)
     pins = [f"{name}=={version}" for name, version in carried_wheels().items()]
@@ -110,6 +150,7 @@ def fetch(target: Path) -> None:
     for p in platforms:
         cmd += ["--platform", p]
     subprocess.run(cmd + pins, check=True)
+    fetch_kt_kernel(target / "kt-kernel")
 
 
 class _Fence(importlib.abc.MetaPathFinder):
@@ -178,6 +219,9 @@ def main() -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("wheels")
     sub.add_parser("fetch").add_argument("dir", type=Path)
+    kt = sub.add_parser("kt-kernel")
+    kt.add_argument("site", type=Path)
+    kt.add_argument("dir", type=Path)
     sub.add_parser("tests")
     sub.add_parser("check").add_argument("--without", nargs="*", default=[], metavar="NAME")
     args = parser.parse_args()
@@ -185,6 +229,8 @@ def main() -> int:
         print("\n".join(f"{n}=={v}" for n, v in carried_wheels().items()))
     elif args.command == "fetch":
         fetch(args.dir)
+    elif args.command == "kt-kernel":
+        copy_kt_kernel(args.site, args.dir)
     elif args.command == "tests":
         print(" ".join(TESTS))
     else:
