@@ -7,6 +7,12 @@ sources themselves live in ``kt_sglang.weights.sources`` (one module each) and r
 `register_source`; `open_source` is the only code that looks at a path to decide what it is. Each
 source claims the paths that are its own, by their markers; a path two sources claim is refused, so
 no source's answer depends on the order they were registered in.
+
+A new source subclasses `WeightSource` in a module of ``kt_sglang/weights/sources/``: ``describes``,
+``claims``, ``shape``, ``verify`` and ``load``, what it records (``recorded_method``,
+``recorded_group``, ``activation``) or refuses (``check_method``, ``check_adapter``), and
+``layer_methods`` where its files decide a layer's methods; ``@register_source`` on the class, and
+the module's name in ``kt_sglang/weights/sources/__init__.py``.
 """
 
 from __future__ import annotations
@@ -50,7 +56,7 @@ class LayerMethods:
     """The engine methods and groups one layer's projections are stored in."""
 
     method: Method  # gate and up
-    group_size: int | None  # None: the layer's group_size, else the method's default
+    group_size: int | None  # the source's (None: none recorded); a group_size the layer is given comes first
     down_method: Method | None = None  # None: the same as gate/up
     down_group_size: int | None = None
 

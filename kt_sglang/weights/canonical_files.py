@@ -105,10 +105,6 @@ class Manifest:
         return cls(**data)
 
 
-def is_canonical_dir(path: str | Path) -> bool:
-    return (Path(path) / MANIFEST).is_file()
-
-
 def sha256_text(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
