@@ -1,6 +1,6 @@
-"""`open_source`: every registered source claims its own paths and no other's, a path none or two
-claim is refused naming what was looked for, a new source is one registered class, and the layer's
-configuration opens no file."""
+"""`open_source`: every registered source claims its own paths and no other's, a source that
+supersedes another takes a path both claim, a path none or two others claim is refused naming what
+was looked for, a new source is one registered class, and the layer's configuration opens no file."""
 
 from __future__ import annotations
 
@@ -14,23 +14,30 @@ from kt_sglang.engine.weight_source import ModelShape, WeightSource, WeightSourc
 from kt_sglang.weights.sources.converted import ConvertedDirectory
 from kt_sglang.weights.sources.gguf import GgufSource
 from kt_sglang.weights.sources.hf_checkpoint import HfCheckpoint
+from kt_sglang.weights.sources.kt_kernel import KtKernelDirectory
 
 
 def _markers(tmp_path: Path) -> dict[type[WeightSource], Path]:
     """A path carrying each source's markers (claims read names and markers only)."""
-    hf, converted, gguf_dir = tmp_path / "hf", tmp_path / "converted", tmp_path / "gguf"
+    hf, converted, gguf_dir, kt_kernel = (tmp_path / name for name in ("hf", "converted", "gguf", "kt"))
     for d in (hf, converted, gguf_dir):
         d.mkdir()
     (hf / "config.json").write_text("{}")
     (converted / "kt_weights.json").write_text("{}")
     (gguf_dir / "model-00001-of-00002.gguf").write_bytes(b"GGUF")
     (tmp_path / "model.gguf").write_bytes(b"GGUF")
-    return {HfCheckpoint: hf, ConvertedDirectory: converted, GgufSource: gguf_dir}
+    (kt_kernel / "_layer_0" / "_numa_0").mkdir(parents=True)
+    return {
+        HfCheckpoint: hf,
+        ConvertedDirectory: converted,
+        GgufSource: gguf_dir,
+        KtKernelDirectory: kt_kernel,
+    }
 
 
 def test_each_source_claims_its_own_paths_only(tmp_path):
     paths = _markers(tmp_path)
-    assert {HfCheckpoint, ConvertedDirectory, GgufSource} <= set(ws._SOURCES)
+    assert set(paths) <= set(ws._SOURCES)
     for source, path in paths.items():
         assert [s for s in ws._SOURCES if s.claims(path)] == [source]
         assert type(open_source(path)) is source and open_source(str(path)).path == path
@@ -46,10 +53,18 @@ def test_a_path_no_source_or_two_claim_is_refused(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(WeightSourceError, match=r"holds none of the weights kt-sglang reads .*config\.json"):
         open_source(tmp_path / "empty")
-    both = _markers(tmp_path)[HfCheckpoint]
+    both = _markers(tmp_path)[GgufSource]
     (both / "kt_weights.json").write_text("{}")
     with pytest.raises(WeightSourceError, match=r"holds more than one kind of weights .*kt_weights\.json"):
         open_source(both)
+
+
+def test_a_specific_source_takes_a_path_it_shares_with_the_model(tmp_path):
+    """A converted, GGUF or kt-kernel directory may carry the model's config.json: the source that
+    supersedes the Hugging Face checkpoint's claim reads it."""
+    for source, path in _markers(tmp_path).items():
+        (path / "config.json").write_text("{}")
+        assert HfCheckpoint.claims(path) and type(open_source(path)) is source
 
 
 def test_a_new_source_is_one_registered_class(tmp_path, monkeypatch):

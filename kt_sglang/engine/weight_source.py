@@ -5,11 +5,12 @@ A `WeightSource` answers for its files: the model's shape, the experts' activati
 groups a layer's projections are stored in, and reading the held slots' experts into a layer. The
 sources themselves live in ``kt_sglang.weights.sources`` (one module each) and register with
 `register_source`; `open_source` is the only code that looks at a path to decide what it is. Each
-source claims the paths that are its own, by their markers; a path two sources claim is refused, so
-no source's answer depends on the order they were registered in.
+source claims the paths that are its own, by their markers; where two claim a path, one must name
+the other in ``supersedes`` (a converted directory may carry the model's config.json), else the path
+is refused: no answer depends on the order the sources were registered in.
 
 A new source subclasses `WeightSource` in a module of ``kt_sglang/weights/sources/``: ``describes``,
-``claims``, ``shape``, ``verify`` and ``load``, what it records (``recorded_method``,
+``claims`` (and ``supersedes``), ``shape``, ``verify`` and ``load``, what it records (``recorded_method``,
 ``recorded_group``, ``activation``) or refuses (``check_method``, ``check_adapter``), and
 ``layer_methods`` where its files decide a layer's methods; ``@register_source`` on the class, and
 the module's name in ``kt_sglang/weights/sources/__init__.py``.
@@ -72,6 +73,8 @@ class WeightSource(ABC):
 
     describes: ClassVar[str]
     file_methods: ClassVar[tuple[str, ...]] = ()
+    # the sources whose claim this one's overrides where both claim a path
+    supersedes: ClassVar[tuple[type[WeightSource], ...]] = ()
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -145,6 +148,7 @@ def open_source(path: str | Path) -> WeightSource:
     if not path.exists():
         raise WeightSourceError(f"{path} does not exist")
     claimed = [s for s in _SOURCES if s.claims(path)]
+    claimed = [s for s in claimed if not any(s in other.supersedes for other in claimed)]
     if len(claimed) == 1:
         return claimed[0](path)
     kinds = "; ".join(s.describes for s in (claimed or _SOURCES))

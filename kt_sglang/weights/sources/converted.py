@@ -14,6 +14,7 @@ from kt_sglang.weights import packed_files
 from kt_sglang.weights.canonical_files import MANIFEST, Manifest, read_layer, verify_files
 from kt_sglang.weights.source import CheckpointError
 from kt_sglang.weights.sources._slots import check_shape, load_read, read_plan
+from kt_sglang.weights.sources.hf_checkpoint import HfCheckpoint
 
 if TYPE_CHECKING:
     import torch
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
 @register_source
 class ConvertedDirectory(WeightSource):
     describes = "directories `kt-sglang convert-cpu` wrote (kt_weights.json)"
+    supersedes = (HfCheckpoint,)  # an earlier conversion into the model's own directory
 
     @classmethod
     def claims(cls, path: Path) -> bool:

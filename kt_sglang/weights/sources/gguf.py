@@ -17,6 +17,7 @@ from kt_sglang.engine.methods import Method, parse_method
 from kt_sglang.engine.weight_source import LayerMethods, ModelShape, WeightSource, register_source
 from kt_sglang.weights.source import CheckpointError
 from kt_sglang.weights.sources._slots import load_read, read_plan
+from kt_sglang.weights.sources.hf_checkpoint import HfCheckpoint
 
 if TYPE_CHECKING:
     from kt_sglang.engine.activation import Glu
@@ -33,6 +34,7 @@ GGUF_STEP_BYTES = 64 * 2**20
 class GgufSource(WeightSource):
     describes = "GGUF models (a .gguf file, the first of a split set, or a directory of one)"
     file_methods = ("LLAMAFILE",)
+    supersedes = (HfCheckpoint,)  # a GGUF model kept in the Hugging Face model's directory
 
     @classmethod
     def claims(cls, path: Path) -> bool:

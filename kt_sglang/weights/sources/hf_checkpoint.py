@@ -12,7 +12,6 @@ from kt_sglang.engine.weight_source import ModelShape, WeightSource, register_so
 from kt_sglang.finetune.adapter import ExpertAdapter
 from kt_sglang.weights import formats
 from kt_sglang.weights.checkpoint import Checkpoint, open_checkpoint
-from kt_sglang.weights.kt_kernel_files import looks_like_kt_kernel
 from kt_sglang.weights.source import CheckpointError
 from kt_sglang.weights.sources._slots import check_shape, load_read, read_plan
 
@@ -33,8 +32,7 @@ class HfCheckpoint(WeightSource):
 
     @classmethod
     def claims(cls, path: Path) -> bool:
-        # kt-kernel's converter copies the model's config.json beside its packed experts
-        return (path / "config.json").is_file() and not looks_like_kt_kernel(path)
+        return (path / "config.json").is_file()
 
     def checkpoint(self) -> Checkpoint:
         return open_checkpoint(self.path)

@@ -13,6 +13,7 @@ from kt_sglang.engine.weight_source import ModelShape, WeightSource, register_so
 from kt_sglang.weights.kt_kernel_files import PROJECTIONS, KtKernelDir, looks_like_kt_kernel, whole_row_group
 from kt_sglang.weights.source import CheckpointError
 from kt_sglang.weights.sources._slots import check_shape, read_plan
+from kt_sglang.weights.sources.hf_checkpoint import HfCheckpoint
 
 if TYPE_CHECKING:
     import torch
@@ -30,6 +31,7 @@ class KtKernelDirectory(WeightSource):
         "directories kt-kernel converted (_layer_L/_numa_N/*.kt files, or safetensors of "
         "blk.L.ffn_*_exps.E.numa.N tensors)"
     )
+    supersedes = (HfCheckpoint,)  # its converter copies the model's config.json beside the experts
 
     @classmethod
     def claims(cls, path: Path) -> bool:
