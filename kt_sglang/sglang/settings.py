@@ -282,7 +282,7 @@ def resolve(server_args, extra: argparse.Namespace, argv: list[str]) -> KtSettin
         raise KtSettingsError(f"--kt-method: {exc}") from None
     source = weight_source(weight_path)
     if not flag_given(argv, "--kt-method"):
-        try:  # a source that records its method (a converted directory): SGLang's default does not apply
+        try:  # a converted or kt-kernel directory records its method: SGLang's default gives way
             method = source.recorded_method() or method
         except ValueError as exc:
             raise KtSettingsError(f"--kt-weight-path: {exc}") from None
