@@ -170,6 +170,10 @@ def test_partial_and_mismatched_directories_are_refused(written, tmp_path):
         KtKernelDir(src).check_layer(0, H, I, 8, "AMXINT4")
     with pytest.raises(CheckpointError, match="a 384 x 2048 INT4 part needs"):
         KtKernelDir(src).check_layer(0, 2048, I, E, "AMXINT4")
+    from kt_sglang import KTMoEWrapper
+
+    with pytest.raises(CheckpointError, match="holds kt-kernel INT4 experts .AMXINT4.; method is AMXINT8"):
+        KTMoEWrapper(0, E, 2, H, I, None, 1, 1, weight_path=str(src), method="MOE_INT8")
     st = as_safetensors(written["AMXINT8", 1], tmp_path / "st")
     with pytest.raises(CheckpointError, match="neither INT8 nor INT4 of a 768 x 1024 matrix"):
         KtKernelDir(st).check_layer(0, 1024, I, E, "AMXINT8")

@@ -8,7 +8,7 @@ import functools
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kt_sglang.engine.methods import METHODS, Method
+from kt_sglang.engine.methods import METHODS, Method, parse_method
 from kt_sglang.engine.weight_source import ModelShape, WeightSource, register_source
 from kt_sglang.weights.kt_kernel_files import PROJECTIONS, KtKernelDir, looks_like_kt_kernel, whole_row_group
 from kt_sglang.weights.source import CheckpointError
@@ -63,7 +63,9 @@ class KtKernelDirectory(WeightSource):
             "weights before quantizing: load from the model's checkpoint"
         )
 
-    def _check_method(self, method: str, flag: str) -> None:
+    def check_method(self, method: str | Method, flag: str = "method") -> None:
+        """Only the directory's own method reads it: kt-kernel's INT8 / INT4 values as they are."""
+        method = parse_method(method).value  # aliases too: INT8, MOE_INT8
         if method != self.files.method():
             raise CheckpointError(
                 f"{self.path} holds kt-kernel {self.files.type_name} experts ({self.files.method()}); "
@@ -71,7 +73,7 @@ class KtKernelDirectory(WeightSource):
             )
 
     def verify(self, method: str, model: ModelShape) -> None:
-        self._check_method(method, "--kt-method")
+        self.check_method(method, "--kt-method")
         for layer in model.moe_layers:  # every expert's files there, of the sizes the model gives
             self.files.check_layer(
                 layer, model.hidden_size, model.intermediate_size, model.num_experts, method
@@ -80,7 +82,7 @@ class KtKernelDirectory(WeightSource):
     def load(self, layer: BaseMoEWrapper, physical_to_logical_map: torch.Tensor | list[int] | None) -> None:
         if layer.expert_lora_path:
             self.check_adapter()
-        self._check_method(layer.method.value, "method")
+        self.check_method(layer.method)
         group = self.recorded_group(layer.method)
         if layer.group_size != group:
             raise CheckpointError(
