@@ -42,27 +42,21 @@ def _layer(method: str, parts: int, H: int, I: int, E: int, top_k: int, max_len:
     return cpu, layer, mask
 
 
+def _save(method, parts, H, I, E, layer_idx, out, gate, up, down) -> None:
+    """kt-kernel quantizes bf16 experts and saves them, as its converter does (save mode)."""
+    _layer(
+        method, parts, H, I, E, 1, 64, layer_idx=layer_idx, save=True, load=False, path=out,
+        gate_proj=gate.data_ptr(), up_proj=up.data_ptr(), down_proj=down.data_ptr(),
+    )  # fmt: skip
+
+
 def write(out: str, method: str, parts: str, H: str, I: str, E: str, seed: str) -> None:
     parts, H, I, E = int(parts), int(H), int(I), int(E)
     gen = torch.Generator().manual_seed(int(seed))
     gate = (torch.randn(E, I, H, generator=gen) / H**0.5).bfloat16()
     up = (torch.randn(E, I, H, generator=gen) / H**0.5).bfloat16()
     down = (torch.randn(E, H, I, generator=gen) / I**0.5).bfloat16()
-    _layer(
-        method,
-        parts,
-        H,
-        I,
-        E,
-        1,
-        64,
-        save=True,
-        load=False,
-        path=out,
-        gate_proj=gate.data_ptr(),
-        up_proj=up.data_ptr(),
-        down_proj=down.data_ptr(),
-    )
+    _save(method, parts, H, I, E, 0, out, gate, up, down)
     torch.save({"gate": gate, "up": up, "down": down}, os.path.join(out, "dense.pt"))
 
 
@@ -89,22 +83,7 @@ def convert(model: str, out: str, method: str, parts: str) -> None:
             torch.stack([tensors[layer, e, proj] for e in range(E)]).contiguous()
             for proj in ("gate", "up", "down")
         )
-        _layer(
-            method,
-            int(parts),
-            H,
-            I,
-            E,
-            1,
-            64,
-            layer_idx=layer,
-            save=True,
-            load=False,
-            path=out,
-            gate_proj=gate.data_ptr(),
-            up_proj=up.data_ptr(),
-            down_proj=down.data_ptr(),
-        )
+        _save(method, int(parts), H, I, E, layer, out, gate, up, down)
 
 
 def forward(path, method, parts, H, I, E, top_k, T, seed, out) -> None:
