@@ -34,6 +34,8 @@ def _kt_kernel_python() -> str:
         pytest.skip(
             "needs KT_SGLANG_KT_KERNEL_PYTHON, a Python that imports kt-kernel 0.7.2: .ci/run sets it"
         )
+    if "avx512bw" not in Path("/proc/cpuinfo").read_text():
+        pytest.skip("kt-kernel's AMXINT8 / AMXINT4 layers need AVX-512 (F, BW), which this CPU lacks")
     return python
 
 
