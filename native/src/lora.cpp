@@ -1,6 +1,6 @@
-// The fine-tuning layer (kt/lora.h): validation, the adapters' tensors, and the forward and backward
-// tasks as named steps (lora_steps.h; the forward's in lora_forward.cpp, the backward's in
-// lora_backward.cpp) over the layer's packed weights, its kernel table and its routing (routing.h).
+// The fine-tuning layer (kt/lora.h): validation, the adapters' tensors, and the forward (the layer's
+// forward plan with the adapters' client, lora_forward.cpp) and backward (lora_backward.cpp) tasks
+// over the layer's packed weights, its kernel table and its routing (routing.h).
 #include "kt/lora.h"
 
 #include <algorithm>
@@ -11,9 +11,10 @@
 #include <string>
 #include <utility>
 
+#include "forward/forward.h"
 #include "kt/float_types.h"
 #include "kt/thread_scratch.h"
-#include "lora_steps.h"
+#include "lora_tasks.h"
 
 namespace kt {
 
@@ -70,17 +71,6 @@ void add_into(void* dst, DType dtype, int64_t offset, const float* src, int64_t 
   }
 }
 
-void Pass::start() const {
-  ws.failed.store(false);
-  for (auto& step : ws.counters)
-    for (auto& counter : step) counter.value.store(0, std::memory_order_relaxed);
-}
-
-void Pass::size_pools(int64_t values) const {
-  ws.y.resize(d.P);
-  for (auto& y : ws.y) grow(y, static_cast<size_t>(values));
-}
-
 }  // namespace sft
 
 std::shared_ptr<SftSaved> make_sft_saved() {
@@ -114,7 +104,6 @@ SftMoe::SftMoe(MoeLayer& layer, const LoraConfig& config)
                                 std::to_string(std::min(c.hidden, c.intermediate)) +
                                 " (the smaller of hidden_size and moe_intermediate_size)");
   if (!std::isfinite(config.alpha)) throw std::invalid_argument("lora_alpha must be finite");
-  if (layer.num_pools() > sft::kMaxPhasePools) throw std::invalid_argument("at most 64 pools");
 }
 
 SftMoe::~SftMoe() {
@@ -143,50 +132,23 @@ uint64_t SftMoe::submit_forward(const SftForwardArgs& args, std::shared_ptr<SftS
   check_expert_ids(args.expert_ids, args.ids_int64, args.tokens, c.top_k, c.num_experts);
   std::shared_ptr<SftSaved> saved = save ? std::move(save) : unsaved_;
   saved->owner = this;
-  last_task_ = layer_.runner().submit(
-      [this, args, saved](const WorkerContext& ctx) { forward_task(args, *saved, ctx); });
+  ForwardArgs forward;
+  forward.tokens = args.tokens, forward.hidden = args.hidden, forward.expert_ids = args.expert_ids;
+  forward.ids_int64 = args.ids_int64, forward.weights = args.weights, forward.skip_mask = args.skip_mask;
+  forward.out = args.out;
+  auto lora = std::make_shared<sft::ForwardLora>(layer_, lora_, has_lora_, sft::shape_of(layer_, config_),
+                                                 args.hidden, std::move(saved));
+  last_task_ = layer_.runner().submit(std::make_shared<ForwardTask>(layer_, forward, std::move(lora)));
   return last_task_;
 }
 
 uint64_t SftMoe::submit_backward(std::shared_ptr<SftSaved> saved, const SftBackwardArgs& args) {
   if (!saved || saved->owner != this)
     throw std::invalid_argument("backward needs the state saved by a forward of this layer");
-  last_task_ = layer_.runner().submit(
-      [this, args, saved](const WorkerContext& ctx) { backward_task(args, *saved, ctx); });
-  return last_task_;
-}
-
-// Each task runs on every worker of every pool: its steps in order, with a barrier after each.
-void SftMoe::forward_task(const SftForwardArgs& args, SftSaved& saved, const WorkerContext& ctx) {
-  const sft::ForwardSteps f{
-      {layer_, lora_, has_lora_, sft::shape_of(layer_, config_), *scratch_}, args, saved};
-  if (ctx.tid == 0) f.route();
-  ctx.barrier();
-  f.gather_inputs(ctx);
-  ctx.barrier();
-  f.gate_up(ctx);
-  ctx.barrier();
-  if (f.lora) f.down_a(ctx);
-  ctx.barrier();
-  f.down(ctx);
-  ctx.barrier();
-  f.combine(ctx);
-}
-
-void SftMoe::backward_task(const SftBackwardArgs& args, const SftSaved& saved, const WorkerContext& ctx) {
   const bool lora = has_lora_ && !config_.skip_lora;
-  const sft::BackwardSteps b{{layer_, lora_, lora, sft::shape_of(layer_, config_), *scratch_}, args, saved};
-  if (ctx.tid == 0) b.size_buffers();
-  ctx.barrier();
-  b.gather_grad_out(ctx);
-  ctx.barrier();
-  b.down_transposed(ctx);
-  ctx.barrier();
-  b.expert_grads(ctx);
-  ctx.barrier();
-  b.gate_up_transposed(ctx);
-  ctx.barrier();
-  b.combine(ctx);
+  last_task_ = layer_.runner().submit(std::make_shared<sft::BackwardTask>(
+      layer_, lora_, lora, sft::shape_of(layer_, config_), *scratch_, args, std::move(saved)));
+  return last_task_;
 }
 
 }  // namespace kt

@@ -13,14 +13,50 @@
 #include <stdexcept>
 #include <string>
 
+#include "forward/forward.h"
+#include "forward/workspace.h"
 #include "kt/kernels.h"
 #include "kt/packing.h"
 #include "kt/quantize.h"
 #include "kt/topology.h"
-#include "moe_layer_state.h"
 #include "work_items.h"
 
 namespace kt {
+
+namespace {
+
+constexpr int kMaxPools = 64;
+
+}  // namespace
+
+// One pool's slice [i_begin, i_end) of every expert. Gate and up are interleaved per group of
+// intermediate channels (the group's gate panels, then its up panels) so that one kernel call
+// computes both from one pass over the activations.
+struct MoeLayer::PoolWeights {
+  int node = 0;
+  int64_t i_begin = 0, i_end = 0;
+  PackRegion gate_region, down_region;
+  int64_t gate_up_bytes = 0, down_bytes = 0;  // per expert
+  size_t gate_up_alloc = 0, down_alloc = 0;   // all experts, on the pool's node
+  uint8_t* gate_up = nullptr;
+  uint8_t* down = nullptr;
+  bool mapped = false;  // gate_up and down point into the layer's MappedFile
+  ~PoolWeights() { release(); }
+  void release() {
+    if (!mapped) free_on_node(gate_up, gate_up_alloc), free_on_node(down, down_alloc);
+    gate_up = down = nullptr;
+  }
+};
+
+struct MappedFile {
+  void* base = nullptr;
+  size_t bytes = 0;
+  MappedFile(const MappedFile&) = delete;
+  MappedFile& operator=(const MappedFile&) = delete;
+  MappedFile(void* b, size_t n) : base(b), bytes(n) {}
+  ~MappedFile();
+  const uint8_t* at(int64_t offset) const { return static_cast<const uint8_t*>(base) + offset; }
+};
 
 std::shared_ptr<MoeWorkspace> make_workspace() {
   return std::make_shared<MoeWorkspace>();
@@ -116,6 +152,11 @@ std::vector<std::pair<int64_t, int64_t>> MoeLayer::pool_slices() const {
 MoeLayer::PackedSlice MoeLayer::packed_slice(int pool) const {
   const PoolWeights& pw = *pools_.at(pool);
   return {pw.i_begin, pw.i_end, pw.gate_up, pw.down, pw.gate_up_bytes, pw.down_bytes};
+}
+
+MoeLayer::Biases MoeLayer::biases() const {
+  auto at = [](const std::vector<float>& b) { return b.empty() ? nullptr : b.data(); };
+  return {at(gate_bias_), at(up_bias_), at(down_bias_), down_bias_pool_};
 }
 
 bool MoeLayer::holds_every_expert() const {
@@ -466,7 +507,7 @@ uint64_t MoeLayer::submit_forward(const ForwardArgs& args) {
   if (!args.tokens_ptr && args.tokens < 0) throw std::invalid_argument("forward: negative token count");
   if (!args.tokens_ptr)
     check_expert_ids(args.expert_ids, args.ids_int64, args.tokens, config_.top_k, config_.num_experts);
-  const uint64_t id = runner_->submit(forward_task(args));
+  const uint64_t id = runner_->submit(std::make_shared<ForwardTask>(*this, args, nullptr));
   // Submissions may come from CUDA's host-function thread and Python's: keep the largest id.
   uint64_t last = last_task_.load(std::memory_order_relaxed);
   while (last < id && !last_task_.compare_exchange_weak(last, id, std::memory_order_acq_rel)) {

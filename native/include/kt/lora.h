@@ -54,7 +54,7 @@ struct SftBackwardArgs {
   float* grad_weights = nullptr;       // fp32 [tokens, top_k], written (0 where nothing was computed)
 };
 
-// What one forward keeps for its backward (src/lora_steps.h). Owned by the caller; freed with it.
+// What one forward keeps for its backward (src/lora_tasks.h). Owned by the caller; freed with it.
 struct SftSaved;
 std::shared_ptr<SftSaved> make_sft_saved();
 int64_t sft_saved_bytes(const SftSaved& saved);
@@ -83,9 +83,6 @@ class SftMoe {
   struct Scratch;
 
  private:
-  void forward_task(const SftForwardArgs& args, SftSaved& saved, const WorkerContext& ctx);
-  void backward_task(const SftBackwardArgs& args, const SftSaved& saved, const WorkerContext& ctx);
-
   MoeLayer& layer_;
   LoraConfig config_;
   LoraTensors lora_;

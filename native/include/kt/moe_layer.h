@@ -45,7 +45,7 @@ struct MoeConfig {
   std::vector<uint8_t> absent;
 };
 
-// Scratch shared by every layer on one runner (tasks run one at a time). Grows, never shrinks.
+// Scratch shared by every layer on one runner (tasks run one at a time; src/forward/workspace.h).
 struct MoeWorkspace;
 // A read-only mapping of a packed file (moe_layer.cpp).
 struct MappedFile;
@@ -130,12 +130,10 @@ class MoeLayer {
   // Per pool: [i_begin, i_end) slice of the (padded) intermediate dimension.
   std::vector<std::pair<int64_t, int64_t>> pool_slices() const;
 
-  struct PoolWeights;
-
-  // Read-only views for the fine-tuning tasks (lora.h), which run their own phases over the same
-  // packed weights: pool p's slice [i_begin, i_end) of the intermediate channels, its gate/up
-  // blocks (gate_up_block() channels each: that many gate rows' panels, then as many up rows')
-  // over hidden_padded() columns, and its down panels (round_up(hidden, 16) rows over the slice).
+  // Read-only views for the forward plan (src/forward/) and the fine-tuning backward (lora.h): pool
+  // p's slice [i_begin, i_end) of the intermediate channels, its gate/up blocks (gate_up_block()
+  // channels each: that many gate rows' panels, then as many up rows') over hidden_padded() columns,
+  // and its down panels (round_up(hidden, 16) rows over the slice).
   struct PackedSlice {
     int64_t i_begin = 0, i_end = 0;
     const uint8_t* gate_up = nullptr;  // expert e at gate_up + e * gate_up_bytes
@@ -157,8 +155,19 @@ class MoeLayer {
   const std::vector<int64_t>& storage() const { return storage_; }
   const KernelTable& kernels() const { return table_; }
   Runner& runner() const { return *runner_; }
+  MoeWorkspace& workspace() const { return *workspace_; }
+  // The biases as load_biases took them, zero-padded: gate and up [E, intermediate_padded()], down
+  // [E, hidden rounded to 16]; null when absent. Pool `down_pool` adds the down bias, once per row.
+  struct Biases {
+    const float* gate = nullptr;
+    const float* up = nullptr;
+    const float* down = nullptr;
+    int down_pool = 0;
+  };
+  Biases biases() const;
 
  private:
+  struct PoolWeights;
   void check_not_mapped() const;
   // Pool `pw`'s slice of one expert in the packed file layout, as contiguous runs:
   // gate_up(file_offset, pool_offset, bytes) and down(file_offset, pool_offset, bytes).
@@ -166,20 +175,6 @@ class MoeLayer {
   void for_each_file_run(const PoolWeights& pw, G&& gate_up, D&& down) const;
   void pack_expert(int slot, const CanonicalMatrix& gate, const CanonicalMatrix& up,
                    const CanonicalMatrix& down);
-  // The forward task (moe_forward.cpp) and the units of its steps, in the order they run per chunk
-  // of tokens. The plan sizes each step's units when it opens.
-  struct Chunk;
-  struct Plan;
-  class ForwardTask;
-  std::shared_ptr<StepTask> forward_task(const ForwardArgs& args);
-  bool start(Chunk& chunk);        // reads the batch size, routes the first chunk; false: nothing to do
-  void route(const Chunk& chunk);  // sets ws.bad_routing on failure
-  void plan_steps(const Chunk& chunk, Plan& plan) const;
-  void gather_tokens(const Chunk& chunk, int64_t t0, int64_t t1);
-  void gate_up_item(const Chunk& chunk, const Plan& plan, const WorkerContext& ctx, int64_t item);
-  void quantize_h_unit(const Chunk& chunk, const WorkerContext& ctx, int64_t block);
-  void down_unit(const Chunk& chunk, const Plan& plan, const WorkerContext& ctx, int64_t unit);
-  void combine_item(const Chunk& chunk, const Plan& plan, int64_t unit);
   // Intermediate channels per gate/up work item: the quantization group (64 for BF16), at least 32
   // (NVFP4's groups of 16 would make items of one panel).
   int64_t h_group() const { return std::max(group_, 32); }

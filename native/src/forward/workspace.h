@@ -1,5 +1,5 @@
-// What the layer's two files share (moe_layer.cpp: construction and loading; moe_forward.cpp: the
-// forward task): the per-pool packed weights and the forward's workspace.
+// The forward plan's scratch (forward.h), shared by every layer on one runner: tasks run one at a
+// time. Grows, never shrinks.
 #pragma once
 
 #include <atomic>
@@ -9,15 +9,10 @@
 #include <vector>
 
 #include "kt/aligned_vector.h"
-#include "kt/moe_layer.h"
-#include "kt/packing.h"
-#include "kt/topology.h"
 #include "routing.h"
 #include "work_items.h"
 
 namespace kt {
-
-constexpr int kMaxPools = 64;
 
 // The routing of the current chunk is its ExpertRows (routing.h).
 struct MoeWorkspace : ExpertRows {
@@ -50,40 +45,16 @@ struct MoeWorkspace : ExpertRows {
     std::unique_ptr<std::atomic<int64_t>[]> stage_done = std::make_unique<std::atomic<int64_t>[]>(2);
   };
   std::vector<PoolScratch> pools;
-  // Small chunks (kMaxDownRowsTokens): each pool's y holds every row's down projection, summed per
-  // token in slot order in phase 4, whichever worker computed it (the result is reproducible).
+  // With a client (client.h), per active expert: its gate/up blocks done over every pool, plus one
+  // once the client has seen its whole h (ForwardClient::expert_h_done).
+  std::unique_ptr<std::atomic<int64_t>[]> h_done;
+  size_t h_done_size = 0;
+  // Small chunks (kMaxDownRowsTokens) and a client's: each pool's y holds every row's down
+  // projection, summed per token in slot order by combine, whichever worker computed it (the result
+  // is reproducible).
   bool down_rows = false;
   std::atomic<bool> failed{false};  // a worker failed in this chunk: whoever waits on ready stops
-  PaddedCounter load_counter;
-};
-
-// One pool's slice [i_begin, i_end) of every expert. Gate and up are interleaved per group of
-// intermediate channels (the group's gate panels, then its up panels) so that one kernel call
-// computes both from one pass over the activations.
-struct MoeLayer::PoolWeights {
-  int node = 0;
-  int64_t i_begin = 0, i_end = 0;
-  PackRegion gate_region, down_region;
-  int64_t gate_up_bytes = 0, down_bytes = 0;  // per expert
-  size_t gate_up_alloc = 0, down_alloc = 0;   // all experts, on the pool's node
-  uint8_t* gate_up = nullptr;
-  uint8_t* down = nullptr;
-  bool mapped = false;  // gate_up and down point into the layer's MappedFile
-  ~PoolWeights() { release(); }
-  void release() {
-    if (!mapped) free_on_node(gate_up, gate_up_alloc), free_on_node(down, down_alloc);
-    gate_up = down = nullptr;
-  }
-};
-
-struct MappedFile {
-  void* base = nullptr;
-  size_t bytes = 0;
-  MappedFile(const MappedFile&) = delete;
-  MappedFile& operator=(const MappedFile&) = delete;
-  MappedFile(void* b, size_t n) : base(b), bytes(n) {}
-  ~MappedFile();
-  const uint8_t* at(int64_t offset) const { return static_cast<const uint8_t*>(base) + offset; }
+  PaddedCounter load_counter;       // the layer's loading tasks' work items
 };
 
 }  // namespace kt
