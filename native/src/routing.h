@@ -1,6 +1,5 @@
-// The routing both task kinds share (MoeLayer::route in moe_forward.cpp, the fine-tuning forward's
-// route step in lora_forward.cpp): a chunk of tokens' (token, slot) pairs computed here, grouped by
-// expert into rows.
+// The forward plan's routing (forward/route.cpp), which the fine-tuning backward reads as its
+// forward saved it: a chunk of tokens' (token, slot) pairs computed here, grouped by expert into rows.
 #pragma once
 
 #include <cstdint>
@@ -8,7 +7,7 @@
 
 namespace kt {
 
-// What a forward's arguments give the routing (kt/moe_layer.h ForwardArgs, kt/lora.h SftForwardArgs).
+// What a forward's arguments give the routing (kt/moe_layer.h ForwardArgs).
 struct RoutedSlots {
   const void* expert_ids = nullptr;  // int32 or int64 [tokens, top_k]; -1 = skip
   bool ids_int64 = false;

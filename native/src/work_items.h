@@ -1,6 +1,6 @@
-// How the layer's all-worker tasks deal out their work (loading, the fine-tuning steps of
-// lora_steps.h): every worker takes items from a shared counter, and a failure lets the others
-// reach the task's barriers. The forward's units come from the runner (StepTask).
+// How the layer's tasks deal out their work and stop on a failure: loading's all-worker tasks take
+// items from a shared counter (for_each_item); the step tasks' units (the forward plan, the
+// fine-tuning backward) come from the runner and flag a failure so that the next step does not open.
 #pragma once
 
 #include <atomic>
@@ -32,8 +32,8 @@ void for_each_item(std::atomic<int64_t>& counter, int64_t n, F&& body) {
 }
 
 // Runs body; a failure is recorded for the runner's next sync, then flagged in `failed` (after the
-// record: a worker that stops on the flag reports second), and every worker still reaches the same
-// barriers.
+// record: a worker that stops on the flag reports second), where the task's next step and any unit
+// waiting on another look.
 template <class F>
 void guarded(Runner& runner, std::atomic<bool>& failed, F&& body) {
   try {

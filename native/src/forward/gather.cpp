@@ -13,10 +13,12 @@ namespace kt {
 
 // Units [0, token_units): runs of tokens; then the client's.
 void ForwardTask::gather_unit(int64_t unit) {
-  if (unit >= plan_.token_units)
-    return guarded(layer_.runner(), ws_.failed, [&] { client_->gather_unit(unit - plan_.token_units); });
-  const int64_t t0 = unit * plan_.tokens_per_unit;
-  gather_tokens(t0, std::min(chunk_.Tc, t0 + plan_.tokens_per_unit));
+  if (unit < plan_.token_units) {
+    const int64_t t0 = unit * plan_.tokens_per_unit;
+    gather_tokens(t0, std::min(chunk_.Tc, t0 + plan_.tokens_per_unit));
+  } else {
+    guarded(layer_.runner(), ws_.failed, [&] { client_->gather_unit(unit - plan_.token_units); });
+  }
 }
 
 // Tokens [t0, t1) of the chunk, their partial sums cleared.
