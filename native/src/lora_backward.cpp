@@ -247,7 +247,8 @@ void BackwardTask::gate_up_adapter_grads(int64_t r0, int64_t m, WorkerScratch& s
   ops().gemm_nt(m, r, I, 1.0f, dg, Ip, sc.w1.data(), I, dgub, 2 * r);
   ops().gemm_nt(m, r, I, 1.0f, du, Ip, sc.w1.data() + I * r, I, dgub + r, 2 * r);
   float* xf = sc.rows1.data();  // x rows, fp32 [m, H]
-  for (int64_t i = 0; i < m; ++i) ops().bf16_row_to_float(s_.x.data() + (r0 + i) * d_.Hp, H, xf + i * H);
+  for (int64_t i = 0; i < m; ++i)
+    ops().bf16_row_to_float(s_.x.data() + s_.row_token[r0 + i] * H, H, xf + i * H);
   ops().gemm_tn(r, H, m, d_.scale, dgub, 2 * r, xf, H, g_ga, H);
   ops().gemm_tn(r, H, m, d_.scale, dgub + r, 2 * r, xf, H, g_ua, H);
 }

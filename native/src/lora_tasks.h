@@ -6,7 +6,8 @@
 // products run the table's fp32 loops (kt/kernels.h, LoraKernels).
 //
 // Forward, with s = alpha / r, what the client adds to the plan's steps:
-//   gather:   per expert, x kept and xa = x [A_gate; A_up]^T
+//   route:    x kept (per token)
+//   gather:   per expert, xa = x [A_gate; A_up]^T
 //   experts:  g, u = W x + s xa B^T, kept, and h = silu(g) u kept (per pool and run of blocks);
 //             ha = h A_down^T once an expert's h is complete; y = W_down h (+ s ha B_down^T on
 //             one pool) per row
@@ -42,7 +43,7 @@ namespace kt {
 struct SftSaved : ExpertRows {
   int64_t tokens = 0, rows = 0;
   int top_k = 0;
-  AlignedVector<uint16_t> x;      // [rows, Hp] bf16
+  AlignedVector<uint16_t> x;      // [tokens, H] bf16, the input
   AlignedVector<float> xa;        // [rows, 2r]: x A_gate^T, then x A_up^T
   AlignedVector<float> g, u;      // [rows, Ip]
   AlignedVector<uint16_t> h;      // [rows, Ip] bf16
@@ -101,9 +102,9 @@ class ForwardLora final : public ForwardClient {
   // `lora`: the adapters' terms are computed (a layer with adapters).
   ForwardLora(const MoeLayer& layer, const LoraTensors& tensors, bool lora, const Shape& d,
               const uint16_t* hidden, std::shared_ptr<SftSaved> saved);
-  void routed(const ExpertRows& rows, int64_t tokens) override;
+  void routed(const ExpertRows& rows, int64_t tokens) override;  // x kept
   int64_t gather_units() const override;
-  void gather_unit(int64_t unit) override;  // one active expert's x rows and xa
+  void gather_unit(int64_t unit) override;  // one active expert's xa
   void gate_up_epilogue(int e, int64_t r0, int m, int64_t i0, int64_t blocks, int64_t width, float* c,
                         int64_t ldc) override;
   void keep_h(int64_t r, int64_t i0, const uint16_t* h, int64_t n) override;
@@ -112,7 +113,13 @@ class ForwardLora final : public ForwardClient {
                      int64_t ldc) override;
 
  private:
+  // B's rows are transposed this many at a time: [r, 512] fp32 is 32 KiB at rank 16, and wider
+  // slabs put B's r rows 8 KiB or more apart, in one L1 set (the transposing loads ran twice as long
+  // at 2048).
+  static constexpr int64_t kBColumns = 512;
   const LoraKernels& ops() const { return layer_.kernels().lora; }
+  void add_b_term(int t, int e, int64_t rows, int64_t row0, int m, const float* a, int64_t lda, int64_t n,
+                  float* c, int64_t ldc) const;
 
   const MoeLayer& layer_;
   const LoraTensors L_;
