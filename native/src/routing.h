@@ -2,6 +2,7 @@
 // forward saved it: a chunk of tokens' (token, slot) pairs computed here, grouped by expert into rows.
 #pragma once
 
+#include <algorithm>  // std::copy, in ExpertRows' copy assignment (the fine-tuning forward keeps one)
 #include <cstdint>
 #include <vector>
 
