@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "forward/forward.h"
+#include "forward/rows.h"
 
 namespace kt {
 
@@ -37,7 +38,9 @@ void ForwardTask::combine_item(int64_t unit) {
           if (r < 0) continue;
           for (int p = 0; p < c.P; ++p)
             if (plan_.pools[p].slice > 0)  // an empty slice stored nothing
-              table_.add_weighted(sum.data(), ws.pools[p].y.data() + r * c.Hy + h0, ws.row_weight[r], n);
+              table_.add_weighted(
+                  sum.data(), ws.pools[p].y.data() + (r + padding_before(ws, ws.row_expert[r])) * c.Hy + h0,
+                  ws.row_weight[r], n);
         }
         parts[0] = sum.data();
         emit(parts.data(), 1);

@@ -235,13 +235,17 @@ void ForwardTask::down_unit(const WorkerContext& ctx, int64_t unit) {
     const int64_t panels = Hy / kPanelWidth;
     const bool down_bias = biases_.down && ctx.pool == biases_.down_pool;  // once per row: pools' sums add up
     // Output panels [p0, p0 + npan) of expert e for each of its rows: added into the pool's
-    // y[token] with the row's weight, or (down_rows) stored in y[row].
+    // y[token] with the row's weight (through c_buf), or (down_rows) written in place at the row's
+    // padded index: AMX stores whole blocks of rows, past row m - 1, into the expert's padding.
     auto down_run = [&](int e, int64_t p0, int npan) {
       const uint8_t* w = pw.down + layer_.storage()[e] * pw.down_bytes + p0 * down_panel;
-      const int64_t ldc = npan * kPanelWidth;
+      const int64_t n = npan * kPanelWidth;
       const int64_t step = rows_per_call(ws.counts[e]);
       for (int64_t r0 = ws.offsets[e]; r0 < ws.offsets[e + 1]; r0 += step) {
         const int m = static_cast<int>(std::min<int64_t>(step, ws.offsets[e + 1] - r0));
+        float* out = ws.down_rows ? ps.y.data() + (r0 + padding_before(ws, e)) * Hy + p0 * kPanelWidth
+                                  : sc.c_buf.data();
+        const int64_t ldo = ws.down_rows ? Hy : n;
         if (c.int8_h) {
           point_rows(sc, ws, e, r0, m, ps.h_q.data(), slice);
           for (int i = 0; i < m; ++i) {
@@ -252,28 +256,26 @@ void ForwardTask::down_unit(const WorkerContext& ctx, int64_t unit) {
           const QuantRows h{reinterpret_cast<const int8_t* const*>(sc.ptr_a.data()), kTiledChunkStride,
                             reinterpret_cast<const float* const*>(sc.ptr_s.data()),
                             reinterpret_cast<const float* const*>(sc.ptr_m.data())};
-          c.down_q(m, slice, Gd, h, w, npan, sc.c_buf.data(), ldc);
+          c.down_q(m, slice, Gd, h, w, npan, out, ldo);
         } else {
           point_rows(sc, ws, e, r0, m, ps.h_rows.data(), slice * 2);
-          c.down_a16(m, slice, Gd, sc.bf16_rows(), w, npan, sc.c_buf.data(), ldc);
+          c.down_a16(m, slice, Gd, sc.bf16_rows(), w, npan, out, ldo);
         }
-        if (client_) client_->down_epilogue(ctx.pool, e, r0, m, p0 * kPanelWidth, ldc, sc.c_buf.data(), ldc);
+        if (client_) client_->down_epilogue(ctx.pool, e, r0, m, p0 * kPanelWidth, n, out, ldo);
+        if (ws.down_rows && !down_bias) continue;
         for (int i = 0; i < m; ++i) {
-          float* out = sc.c_buf.data() + i * ldc;
+          float* row = out + i * ldo;
           if (down_bias) {
             const float* b = biases_.down + e * Hy + p0 * kPanelWidth;
-            for (int64_t j = 0; j < ldc; ++j) out[j] += b[j];
+            for (int64_t j = 0; j < n; ++j) row[j] += b[j];
           }
-          if (ws.down_rows)  // through c_buf: AMX stores whole blocks of rows, past row m - 1
-            std::memcpy(ps.y.data() + (r0 + i) * Hy + p0 * kPanelWidth, out, ldc * sizeof(float));
-          else
-            table_.add_weighted(ps.y.data() + ws.row_token[r0 + i] * Hy + p0 * kPanelWidth, out,
-                                ws.row_weight[r0 + i], ldc);
+          if (!ws.down_rows)
+            table_.add_weighted(ps.y.data() + ws.row_token[r0 + i] * Hy + p0 * kPanelWidth, row,
+                                ws.row_weight[r0 + i], n);
         }
       }
     };
     if (ws.down_rows) {
-      grow(sc.c_buf, plan_.max_rows * std::min<int64_t>(kMaxRunPanels, panels) * kPanelWidth);
       const int64_t u0 = pp.down_starts[unit], u1 = pp.down_starts[unit + 1];
       for (int64_t u = u0; u < u1;) {  // a run may end one expert's panels and start the next's
         const int64_t a = u / panels, p0 = u % panels, npan = std::min(panels - p0, u1 - u);

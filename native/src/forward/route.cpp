@@ -82,7 +82,7 @@ void ForwardTask::route() {
       any_a16 = any_a16 || ws.a16[e];
       ws.h_per_row[e] = c.int8_h && h_per_row_min_rows > 0 && ws.counts[e] >= h_per_row_min_rows;
     }
-    const int64_t R = ws.offsets[c.E], Rp = ws.padded_offsets[c.E];
+    const int64_t Rp = ws.padded_offsets[c.E];
     const size_t active = ws.active.size();
     if (c.int8_x)
       grow(ws.x_q, c.Tc * c.Hp), grow(ws.x_scale, c.Tc * c.Hp / c.G), grow(ws.x_sum, c.Tc * c.Hp / c.G);
@@ -96,7 +96,7 @@ void ForwardTask::route() {
       grow(ps.h_rows, Rp * slice * 2);
       if (c.int8_h)
         grow(ps.h_q, Rp * slice), grow(ps.h_scale, Rp * slice / c.Gd), grow(ps.h_sum, Rp * slice / c.Gd);
-      grow(ps.y, (ws.down_rows ? R : c.Tc) * c.Hy);
+      grow(ps.y, (ws.down_rows ? Rp : c.Tc) * c.Hy);
       if (ps.ready_size < active) {
         ps.ready = std::make_unique<std::atomic<int64_t>[]>(active);
         ps.ready_size = active;

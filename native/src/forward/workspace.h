@@ -36,7 +36,8 @@ struct MoeWorkspace : ExpertRows {
     // int8_h methods: h per row quantized to int8 (tiled, same padded rows), scales and sums per group
     AlignedVector<uint8_t> h_q;
     std::vector<float> h_scale, h_sum;
-    std::vector<float> y;  // fp32 partial output [tokens, hidden padded to 16] (down_rows: [rows, ...])
+    // fp32 partial output [tokens, hidden padded to 16] (down_rows: [padded rows, ...])
+    std::vector<float> y;
     // down_rows chunks, per active expert: its gate/up blocks done, plus one once its h is complete
     // (int8_h: quantized). An expert's down runs start on that, not on a barrier after all of gate/up.
     std::unique_ptr<std::atomic<int64_t>[]> ready;
