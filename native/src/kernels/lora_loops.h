@@ -36,16 +36,31 @@ void gemm_nt(int64_t m, int64_t n, int64_t K, float alpha, const float* A, int64
     }
 }
 
-// C[i][:] += alpha * sum_k A[i][k] B[k][:]  (A [m, K], B [K, n]).
+// C[i][:] += alpha * sum_k A[i][k] B[k][:]  (A [m, K], B [K, n]), added in k order. A row's sums are
+// kept 64 columns at a time over all of K and stored once: stored after each k, a load of B 4 KiB
+// away from a C line just stored waited on it, and the fine-tuning forward's adapter terms (B
+// [16, 64] beside C rows 512 bytes apart) took 1.6-1.7x as long.
 template <Isa>
 void gemm_nn(int64_t m, int64_t n, int64_t K, float alpha, const float* A, int64_t lda, const float* B,
              int64_t ldb, float* C, int64_t ldc) {
+  constexpr int64_t kCols = 64;
   for (int64_t i = 0; i < m; ++i) {
     float* c = C + i * ldc;
-    for (int64_t k = 0; k < K; ++k) {
+    int64_t j0 = 0;
+    for (; j0 + kCols <= n; j0 += kCols) {
+      float acc[kCols];
+      for (int64_t j = 0; j < kCols; ++j) acc[j] = c[j0 + j];
+      for (int64_t k = 0; k < K; ++k) {
+        const float a = alpha * A[i * lda + k];
+        const float* b = B + k * ldb + j0;
+        for (int64_t j = 0; j < kCols; ++j) acc[j] += a * b[j];
+      }
+      for (int64_t j = 0; j < kCols; ++j) c[j0 + j] = acc[j];
+    }
+    for (int64_t k = 0; k < K && j0 < n; ++k) {
       const float a = alpha * A[i * lda + k];
       const float* b = B + k * ldb;
-      for (int64_t j = 0; j < n; ++j) c[j] += a * b[j];
+      for (int64_t j = j0; j < n; ++j) c[j] += a * b[j];
     }
   }
 }
