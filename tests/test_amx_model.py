@@ -188,13 +188,19 @@ NEEDS_AMX_MODEL = pytest.mark.skipif(
 )
 
 
-def modelled_counts(method, group: int, m: int, K: int, npanels: int) -> dict:
+def modelled_counts(method, group: int, m: int, K: int, npanels: int, weights: str = "zero") -> dict:
     """The model's counters over one int8-input kernel call (rows with one scale per row and group
-    alike, zero weights)."""
+    alike) on zero weights (every scale alike) or random bytes (scales that differ per group)."""
     q = torch.randint(-127, 128, (m, K), dtype=torch.int8)
     scales = torch.ones(m, K // group)
     sums = torch.zeros(m, K // group)
-    packed = torch.zeros(_native.packed_bytes(method, group, 16 * npanels, K), dtype=torch.uint8)
+    size = _native.packed_bytes(method, group, 16 * npanels, K)
+    if weights == "zero":
+        packed = torch.zeros(size, dtype=torch.uint8)
+    else:
+        packed = torch.randint(
+            0, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(size)
+        )
     c = torch.empty(m, 16 * npanels)
     _native.amx_model_reset_counters()
     _native.gemm("amx-emu", method, True, m, K, group, q.data_ptr(), scales.data_ptr(), sums.data_ptr(),
@@ -210,7 +216,7 @@ def test_counters_measure_a_kernels_structure(group):
     load once per group for every row block when a group is one K-step, else per K-step and block;
     4 tile stores per group and block for the group's fp32 epilogue."""
     m, K, npanels = 64, 256, 4
-    counts = modelled_counts(_native.Method.AMXINT8, group, m, K, npanels)
+    counts = modelled_counts(_native.Method.AMXINT8, group, m, K, npanels, weights="random")
     k_step = min(group, 64)
     steps, groups, blocks, pairs = K // k_step, K // group, m // 32, npanels // 2
     assert counts["dots"] == 4 * steps * blocks * pairs
@@ -229,6 +235,27 @@ def test_counters_measure_the_whole_k_int4_kernel(group):
     m, K, npanels = 96, 512, 4
     counts = modelled_counts(_native.Method.AMXINT4, group, m, K, npanels)
     steps, blocks, pairs = K // 64, m // 32, npanels // 2
+    assert counts["dots"] == 4 * steps * blocks * pairs
+    assert counts["loads"] == 4 * steps * blocks * pairs
+    assert counts["stores"] == 4 * blocks * pairs
+    assert counts["macs"] == m * K * 16 * npanels
+
+
+@NEEDS_AMX_MODEL
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("m", [16, 32, 96])
+def test_counters_measure_the_whole_k_int8_kernel(group, m):
+    """The modelled AMX INT8 kernel for rows with one activation scale over weights whose channels
+    have one scale over all of K (every group's scales alike), K 512, from 32 rows: per K-step of 64
+    values, channel pair and 32-row block, 2 A and 2 B loads and 4 dot products, and 4 tile stores
+    per block and pair over all of K, not per group. Below 32 rows the group kernel: its stores per
+    group (2 a group and pair for one 16-row A tile)."""
+    K, npanels = 512, 4
+    counts = modelled_counts(_native.Method.AMXINT8, group, m, K, npanels)
+    steps, blocks, pairs = K // 64, -(-m // 32), npanels // 2
+    if m < 32:
+        assert counts["stores"] == 2 * (K // group) * pairs
+        return
     assert counts["dots"] == 4 * steps * blocks * pairs
     assert counts["loads"] == 4 * steps * blocks * pairs
     assert counts["stores"] == 4 * blocks * pairs

@@ -178,6 +178,56 @@ def test_int4_rows_with_one_scale_sum_all_of_k(isa, group, m, npanels, groups):
     assert relative_error(_run(isa, "AMXINT4", True, m, K, group, grouped, packed, npanels), twin) <= 4e-3
 
 
+def _int8_rows_with_one_scale(w, group):
+    """AMXINT8 canonical weights with one scale per row over all of K (as kt-kernel quantizes):
+    int8 values [N, K], and the fp16 scale in every group's slot [N, K / group]."""
+    scale = (w.abs().amax(1, keepdim=True) / 127).half()
+    q = torch.round(w / scale.float()).clamp(-127, 127).to(torch.int8)
+    return q, scale.expand(-1, w.shape[1] // group).contiguous()
+
+
+def _pack(method, group, N, K, *tensors):
+    packed = torch.zeros(
+        _native.packed_bytes(getattr(_native.Method, method), group, N, K), dtype=torch.uint8
+    )
+    ptrs = [t.data_ptr() for t in tensors] + [0] * (3 - len(tensors))
+    _native.pack_matrix(getattr(_native.Method, method), group, N, K, *ptrs, packed.data_ptr())
+    return packed
+
+
+@pytest.mark.parametrize("isa", isa_params(AMX_ISAS))
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("m,npanels,groups", [(5, 1, 2), (37, 3, 4), (64, 2, 4), (161, 5, 3)])
+def test_int8_rows_with_one_scale_over_weights_with_one_scale_sum_all_of_k(isa, group, m, npanels, groups):
+    """AMXINT8 weights whose rows have one scale over all of K (kt-kernel's directories) times rows
+    quantized with one scale per row go to the AMX kernel that sums all of K in the tiles: the integer
+    sums exact, so equal to that arithmetic in float64 torch within fp32 rounding; rows with per-group
+    scales, or weights with per-group scales, still take the group kernel (equal to the scalar twin)."""
+    K = groups * max(group, 64)
+    N = 16 * npanels
+    w = torch.randn(N, K, generator=torch.Generator().manual_seed(m)) / K**0.5
+    q, scales = _int8_rows_with_one_scale(w, group)
+    packed = _pack("AMXINT8", group, N, K, q, scales)
+    x = torch.randn(m, K, generator=torch.Generator().manual_seed(m + 1))
+    rows = torch.empty(m, K, dtype=torch.int8)
+    row_scales, sums = torch.empty(m, K // group), torch.empty(m, K // group)
+    _native.quantize_activations(
+        x.data_ptr(), m, K, group, rows.data_ptr(), row_scales.data_ptr(), sums.data_ptr(), per_row=True
+    )
+    out = _run(isa, "AMXINT8", True, m, K, group, (rows, row_scales, sums), packed, npanels)
+    exact = (rows.double() @ q.double().T) * row_scales[:, :1].double() * scales[:, 0].double()
+    assert relative_error(out, exact.float()) <= 1e-6
+    twin = _run("scalar", "AMXINT8", True, m, K, group, (rows, row_scales, sums), packed, npanels)
+    assert relative_error(out, twin) <= 1e-6
+    grouped = _inputs(True, m, K, group, seed=m)[0]
+    twin = _run("scalar", "AMXINT8", True, m, K, group, grouped, packed, npanels)
+    assert relative_error(_run(isa, "AMXINT8", True, m, K, group, grouped, packed, npanels), twin) <= 1e-5
+    _, group_packed = _packed("AMXINT8", group, w)  # per-group weight scales
+    twin = _run("scalar", "AMXINT8", True, m, K, group, (rows, row_scales, sums), group_packed, npanels)
+    out = _run(isa, "AMXINT8", True, m, K, group, (rows, row_scales, sums), group_packed, npanels)
+    assert relative_error(out, twin) <= 1e-5
+
+
 @pytest.mark.parametrize("method", [m.value for m in METHODS])
 def test_zero_padding_past_the_source(method):
     """K not a multiple of the group and N not of 16: packing zero-fills the rest, so a kernel over

@@ -229,12 +229,16 @@ def test_served_as_kt_kernel_serves_them(written, tmp_path, method, parts, layou
         mats = [KtKernelDir(path).read(0, p, list(range(E)), H, I, 128) for p in ("gate", "up", "down")]
         exact = _reference(mats, theirs["x"], theirs["ids"], theirs["weights"], method, 128)
         rel = lambda a, b: float((a - b).norm() / b.norm())  # noqa: E731
-        # kt-kernel quantizes every activation row to int8 with one scale over all of K (~0.02 of
-        # its output); ours per group of 128 for INT8 (~0.01), per row for INT4, whose whole-K
-        # kernel (from 64 rows an expert) also rounds the weights to int8 per channel (docs/engine.md)
-        bound = 0.02 if method == "AMXINT8" else 0.035
-        assert rel(ours, exact) < bound and rel(theirs["y"].float(), exact) < 0.03, (tokens, rel(ours, exact))
-        assert rel(ours, theirs["y"].float()) < bound + 0.015
+        assert layer._layer.int8_input_per_row  # kt-kernel's numerics: inputs per token / row of h
+        # kt-kernel and we quantize every input row to int8 with one scale (gate/up: over all of K;
+        # down: over a NUMA part's / pool's slice of h), ~0.024 of the output each; what remains
+        # between the two is summation order (~0.01), h's slices where kt-kernel's parts are not our
+        # pools, and for INT4 from 64 rows an expert the whole-K kernel's rounding of the weights to
+        # int8 per channel (docs/engine.md)
+        assert rel(ours, exact) < 0.03 and rel(theirs["y"].float(), exact) < 0.03, (tokens, rel(ours, exact))
+        same_slices = parts == layer.layout.pools
+        near = 0.015 if same_slices and (method == "AMXINT8" or tokens < 64) else 0.025
+        assert rel(ours, theirs["y"].float()) < near, (tokens, rel(ours, theirs["y"].float()))
     # GPU experts 0 and 3 are not read; slots 1 and 2 take source experts 2 and 1
     mask = torch.tensor([True, False, False, True])
     layer = KTMoEWrapper(0, E, 2, H, I, mask, 2, 1, weight_path=str(path), method=method)
@@ -243,4 +247,4 @@ def test_served_as_kt_kernel_serves_them(written, tmp_path, method, parts, layou
     w = torch.full((4, 2), 0.5)
     swapped = [[m[i] for i in (0, 2, 1, 3)] for m in mats]
     want = _reference(swapped, x, ids, w, method, 128)
-    assert rel(layer.forward(x, ids, w).float(), want) < 0.02
+    assert rel(layer.forward(x, ids, w).float(), want) < 0.03

@@ -76,6 +76,7 @@ class BaseMoEWrapper:
             mask.to(torch.uint8).tolist() if mask is not None else [],
             methods.down_method.native if methods.down_method is not None else None,
             methods.down_group_size or 0,
+            methods.int8_input_per_row,
         )
         BaseMoEWrapper._layers.add(self)
 

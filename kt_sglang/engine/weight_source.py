@@ -60,6 +60,10 @@ class LayerMethods:
     group_size: int | None  # the source's (None: none recorded); a group_size the layer is given comes first
     down_method: Method | None = None  # None: the same as gate/up
     down_group_size: int | None = None
+    # Int8 inputs with one scale per token (gate/up) and per row of h (down): weights with one scale
+    # per row over all of K computed with the numerics they were made for (kt-kernel's), summing all
+    # of K on AMX.
+    int8_input_per_row: bool = False
 
 
 class WeightSource(ABC):

@@ -327,13 +327,15 @@ PYBIND11_MODULE(_native, m) {
           py::init([](std::shared_ptr<Runner> runner, const Workspace& ws, int num_experts, int top_k,
                       int64_t hidden, int64_t intermediate, Method method, int group, const std::string& isa,
                       int64_t max_chunk_tokens, int glu_kind, float glu_limit, float glu_alpha,
-                      const std::vector<uint8_t>& absent, std::optional<Method> down_method, int down_group) {
+                      const std::vector<uint8_t>& absent, std::optional<Method> down_method, int down_group,
+                      bool int8_input_per_row) {
             const auto parsed = parse_isa(isa);
             if (!parsed) throw std::invalid_argument("unknown ISA '" + isa + "'");
             MoeConfig c{num_experts, top_k,       hidden,     intermediate,    method,
                         group,       down_method, down_group, max_chunk_tokens};
             c.glu = GluConfig{static_cast<GluKind>(glu_kind), glu_limit, glu_alpha};
             c.absent = absent;
+            c.int8_input_per_row = int8_input_per_row;
             return std::make_unique<MoeLayer>(c, std::move(runner), ws.impl, *parsed);
           }),
           py::arg("runner"), py::arg("workspace"), py::arg("num_experts"), py::arg("top_k"),
@@ -341,8 +343,11 @@ PYBIND11_MODULE(_native, m) {
           py::arg("max_chunk_tokens"), py::arg("glu_kind") = 0, py::arg("glu_limit") = 0.0f,
           py::arg("glu_alpha") = 1.702f, py::arg("absent") = std::vector<uint8_t>{},
           py::arg("down_method") = std::nullopt, py::arg("down_group") = 0,
+          py::arg("int8_input_per_row") = false,
           "absent: [num_experts] 1 = held elsewhere (a GPU slot): no packed weights, never computed here; "
-          "down_method, down_group: the down projection's where they differ from gate/up's (None: the same)")
+          "down_method, down_group: the down projection's where they differ from gate/up's (None: the same); "
+          "int8_input_per_row: int8 inputs with one scale per token for gate/up and per row of h for down "
+          "(weights with one scale per row over all of K: kt-kernel's numerics)")
       .def(
           "load_biases",
           [](MoeLayer& l, uintptr_t gate, uintptr_t up, uintptr_t down) {
@@ -400,6 +405,8 @@ PYBIND11_MODULE(_native, m) {
            "Waits until every forward this layer submitted has finished.")
       .def_property_readonly("isa", [](const MoeLayer& l) { return std::string(isa_name(l.isa())); })
       .def_property_readonly("group", [](const MoeLayer& l) { return l.config().group; })
+      .def_property_readonly("int8_input_per_row",
+                             [](const MoeLayer& l) { return l.config().int8_input_per_row; })
       .def_property_readonly("down_method", [](const MoeLayer& l) { return *l.config().down_method; })
       .def_property_readonly("down_group", [](const MoeLayer& l) { return l.config().down_group; })
       .def_property_readonly("packed_bytes", &MoeLayer::packed_bytes)

@@ -4,12 +4,13 @@ whatever NUMA split kt-kernel wrote them; the engine splits them for its own poo
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kt_sglang.engine.methods import METHODS, Method, parse_method
-from kt_sglang.engine.weight_source import ModelShape, WeightSource, register_source
+from kt_sglang.engine.weight_source import LayerMethods, ModelShape, WeightSource, register_source
 from kt_sglang.weights.kt_kernel_files import PROJECTIONS, KtKernelDir, looks_like_kt_kernel, whole_row_group
 from kt_sglang.weights.source import CheckpointError
 from kt_sglang.weights.sources._slots import check_shape, read_plan
@@ -19,6 +20,7 @@ if TYPE_CHECKING:
     import torch
 
     from kt_sglang.engine.base import BaseMoEWrapper
+    from kt_sglang.engine.config import MoEConfig
 
 # kt-kernel's bytes read per step (the canonical copies of a step are as large): a layer is never
 # held twice.
@@ -56,6 +58,12 @@ class KtKernelDirectory(WeightSource):
         _, hidden, intermediate = self.files.sizes()
         parts = max(self.files.parts(layer) for layer in self.files.layers)
         return whole_row_group(METHODS[method].allowed_groups, hidden, intermediate // parts)
+
+    def layer_methods(self, config: MoEConfig) -> LayerMethods:
+        """The directory's method in the group that carries each row's scale, its inputs quantized
+        with one scale per token (gate/up) and per row of h (down), as kt-kernel computes them."""
+        methods = super().layer_methods(config)
+        return dataclasses.replace(methods, int8_input_per_row=True)
 
     def check_adapter(self) -> None:
         raise CheckpointError(

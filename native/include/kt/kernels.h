@@ -153,8 +153,13 @@ KT_DECLARE_KERNELS(amx_emu)  // the AMX kernels on the tile unit's software mode
 #undef KT_DECLARE_KERNELS
 // AMX INT4 calls of at least this many rows with one activation scale per row requantize their
 // panels to int8 with one scale per channel, so that a block of rows sums all of K in the tiles and
-// scales once (gemm_int4_whole_k in src/kernels/amx/qgemm-inl.h).
+// scales once (gemm_whole_k in src/kernels/amx/qgemm-inl.h).
 inline constexpr int kAmxWholeKMinRows = 64;
+// AMX INT8 calls of at least this many rows with one activation scale per row over panels whose
+// channels have one scale over all of K (the directories kt-kernel wrote) sum all of K in the tiles:
+// nothing to requantize, so from fewer rows than INT4 (x0.87-0.90 at 8-16 rows, x1.05 at 32, x1.4-3.8 at
+// 64-256 on a Qwen3 gate/up call).
+inline constexpr int kAmxInt8WholeKMinRows = 32;
 // Element-wise kernels: AMX adds nothing to them, so the AMX table takes AVX-512's.
 #define KT_DECLARE_VECTOR_OPS(ns)                                                                     \
   namespace ns {                                                                                      \

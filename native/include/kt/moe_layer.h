@@ -43,6 +43,11 @@ struct MoeConfig {
   // [num_experts], 1: the expert is held elsewhere (a GPU slot): no packed weights here, never
   // computed here, not read at load. Empty: every expert is held.
   std::vector<uint8_t> absent;
+  // Int8 inputs with one scale per row: gate/up's per token, and h (in bf16 for INT8 otherwise) per
+  // row for down, from any number of rows. Weights with one scale per row over all of K (kt-kernel's
+  // directories) are then computed with the numerics they were made for, and AMX sums all of K in
+  // the tiles (no group epilogue, no switch to the bf16-input kernels).
+  bool int8_input_per_row = false;
 };
 
 // Scratch shared by every layer on one runner (tasks run one at a time; src/forward/workspace.h).

@@ -31,7 +31,8 @@ void ForwardTask::gather_tokens(int64_t t0, int64_t t1) {
     grow(row, c.Hp), grow(padded, c.Hp);
     const int64_t H = c.H, Hp = c.Hp, K = c.K;
     const int64_t H_whole = H / (kChunkBytes / 2) * (kChunkBytes / 2);  // bf16 values in whole chunks
-    const bool per_row = method_traits(layer_.config().method).gate_up_input_per_row;
+    const bool per_row =
+        method_traits(layer_.config().method).gate_up_input_per_row || layer_.config().int8_input_per_row;
     for (int64_t t = t0; t < t1; ++t) {
       const uint16_t* x = args_.hidden + (c.c0 + t) * H;
       if (c.int8_x) {

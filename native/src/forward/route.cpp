@@ -60,7 +60,7 @@ void ForwardTask::route() {
   const Chunk& c = chunk_;
   const int64_t elem = c.int8_x ? 1 : 2;  // bytes per gathered activation value
   const MoeConfig& config = layer_.config();
-  const int a16_min_rows = table_.method(config.method).gate_up_a16_min_rows;
+  const int a16_min_rows = config.int8_input_per_row ? 0 : table_.method(config.method).gate_up_a16_min_rows;
   const int h_per_row_min_rows = table_.method(*config.down_method).down_h_per_row_min_rows;
   ws.bad_routing = true;  // until routing succeeds
   ws.failed.store(false, std::memory_order_relaxed);
@@ -80,7 +80,8 @@ void ForwardTask::route() {
       ws.padded_offsets[e + 1] = ws.padded_offsets[e] + round_up(ws.counts[e], kRowBlock);
       ws.a16[e] = c.int8_x && a16_min_rows > 0 && ws.counts[e] >= a16_min_rows;
       any_a16 = any_a16 || ws.a16[e];
-      ws.h_per_row[e] = c.int8_h && h_per_row_min_rows > 0 && ws.counts[e] >= h_per_row_min_rows;
+      ws.h_per_row[e] = c.int8_h && (config.int8_input_per_row ||
+                                     (h_per_row_min_rows > 0 && ws.counts[e] >= h_per_row_min_rows));
     }
     const int64_t Rp = ws.padded_offsets[c.E];
     const size_t active = ws.active.size();

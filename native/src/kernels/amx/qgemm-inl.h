@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <tuple>
 #include <vector>
 
@@ -158,15 +159,70 @@ class Int4PanelStager {
   __m512i a_lo_, a_hi_, b_lo_, b_hi_;
 };
 
-// INT4 with one activation scale per row: per channel pair, both panels requantized over all of K
-// (Int4PanelStager, 32 * K bytes in L2), then per block of 32 rows 2 A and 2 B tile loads and 4
-// tdpbssd per 64 K-values, the sums kept in the tiles over all of K, and one epilogue (c = sum * row
-// scale * channel scale). The group epilogue of gemm_q8, 4 vector operations per 16 sums per
-// group, is what bounds that kernel. The next pair is requantized a few rows per K-step, between the
-// tile instructions of this one (two sets of staged weights).
+// One INT8 panel whose rows have one scale over all of K (every group's scale block alike: the
+// directories kt-kernel wrote) as signed int8 B-tile rows, q = u - 128, with that scale per channel.
+// The same interface as Int4PanelStager; nothing to requantize.
 template <class D>
-void gemm_int4_whole_k(int m, int64_t K, int group, const QuantRows& a, const uint8_t* panels, int npanels,
-                       float* c, int64_t ldc) {
+class Int8PanelStager {
+  static_assert(D::kCodes == Codes::kOffsetBytes);
+
+ public:
+  Int8PanelStager() = default;
+  Int8PanelStager(const uint8_t* panel, int64_t K, int group, uint8_t* out, float* channel_scale)
+      : panel_(panel),
+        out_(out),
+        rows_(group / 4),
+        groups_(K / group),
+        gbytes_(group_bytes(D::kMethod, group)) {
+    _mm512_storeu_ps(channel_scale,
+                     D::template scales<Lanes>(panel + group_weight_bytes(D::kMethod, group), 0).first);
+  }
+
+  int64_t rows_left() const { return (groups_ - g_) * rows_ - r_; }
+
+  // The next n packed rows (64 bytes, one B-tile row), fewer at the end.
+  void stage(int64_t n) {
+    const __m512i sign = _mm512_set1_epi8(static_cast<char>(0x80));
+    for (; n > 0 && g_ < groups_; --n) {
+      const __m512i v = _mm512_loadu_si512(panel_ + g_ * gbytes_ + r_ * 64);
+      _mm512_store_si512(out_ + (g_ * rows_ + r_) * 64, _mm512_xor_si512(v, sign));
+      if (++r_ == rows_) r_ = 0, ++g_;
+    }
+  }
+
+ private:
+  const uint8_t* panel_ = nullptr;
+  uint8_t* out_ = nullptr;
+  int rows_ = 0;
+  int64_t groups_ = 0, gbytes_ = 0;
+  int64_t g_ = 0;
+  int r_ = 0;
+};
+
+// Whether every channel of every panel has one scale over all of K: each group's scale block equals
+// the first group's, bit for bit.
+template <class D>
+inline bool rows_share_scale(const uint8_t* panels, int npanels, int64_t K, int group) {
+  const int64_t pbytes = panel_bytes(D::kMethod, group, K), gbytes = group_bytes(D::kMethod, group);
+  const int64_t wbytes = group_weight_bytes(D::kMethod, group), sbytes = gbytes - wbytes;
+  for (int p = 0; p < npanels; ++p) {
+    const uint8_t* first = panels + p * pbytes + wbytes;
+    for (int64_t g = 1; g < K / group; ++g)
+      if (std::memcmp(first, first + g * gbytes, sbytes) != 0) return false;
+  }
+  return true;
+}
+
+// Rows with one activation scale over weights with one int8 scale per channel: per channel pair,
+// both panels staged over all of K as int8 (S: Int4PanelStager requantizes INT4, Int8PanelStager
+// copies INT8 whose rows share a scale; 32 * K bytes in L2), then per block of 32 rows 2 A and 2 B
+// tile loads and 4 tdpbssd per 64 K-values, the sums kept in the tiles over all of K, and one
+// epilogue (c = sum * row scale * channel scale). The group epilogue of gemm_q8, 4 vector
+// operations per 16 sums per group, is what bounds that kernel. The next pair is staged a few rows
+// per K-step, between the tile instructions of this one (two sets of staged weights).
+template <class D, class S>
+void gemm_whole_k(int m, int64_t K, int group, const QuantRows& a, const uint8_t* panels, int npanels,
+                  float* c, int64_t ldc) {
   configure_tiles(64);
   const int blocks = (m + kRowBlock - 1) / kRowBlock;
   const int64_t pbytes = panel_bytes(D::kMethod, group, K);
@@ -186,13 +242,13 @@ void gemm_int4_whole_k(int m, int64_t K, int group, const QuantRows& a, const ui
   auto& channel_scale = scratch.channel_scale;
   if (weights.size() < static_cast<size_t>(64 * K)) weights.resize(64 * K);
   tile_row_blocks(a, m, K, stage, base);
-  Int4PanelStager<D> next[2];
+  S next[2];
   auto start_pair = [&](int p) {  // into set (p / 2) % 2
     uint8_t* out = weights.data() + (p / 2 % 2) * 32 * K;
     for (int h = 0; h < 2; ++h)
-      next[h] = p + h < npanels ? Int4PanelStager<D>(panels + (p + h) * pbytes, K, group, out + h * 16 * K,
-                                                     channel_scale[p / 2 % 2] + 16 * h)
-                                : Int4PanelStager<D>();
+      next[h] = p + h < npanels ? S(panels + (p + h) * pbytes, K, group, out + h * 16 * K,
+                                    channel_scale[p / 2 % 2] + 16 * h)
+                                : S();
   };
   auto stage_next = [&](int64_t n) {
     const int64_t first = std::min(n, next[0].rows_left());
@@ -261,7 +317,11 @@ void gemm_q8(int m, int64_t K, int group, const QuantRows& a, const uint8_t* pan
   if (m <= 4 || group % 32 != 0) return avx512::gemm_q8<D>(m, K, group, a, panels, npanels, c, ldc);
   if constexpr (method_traits(D::kMethod).gate_up_input_per_row)
     if (m >= kAmxWholeKMinRows && one_scale_per_row(a, m, K / group))
-      return gemm_int4_whole_k<D>(m, K, group, a, panels, npanels, c, ldc);
+      return gemm_whole_k<D, Int4PanelStager<D>>(m, K, group, a, panels, npanels, c, ldc);
+  if constexpr (D::kCodes == Codes::kOffsetBytes)
+    if (m >= kAmxInt8WholeKMinRows && one_scale_per_row(a, m, K / group) &&
+        rows_share_scale<D>(panels, npanels, K, group))
+      return gemm_whole_k<D, Int8PanelStager<D>>(m, K, group, a, panels, npanels, c, ldc);
   // Each group's epilogue rereads the fp32 sums of every row of the call while the activation tiles
   // stream through L1: larger calls run in slices of whole row blocks (at 256 rows x1.12-1.21 over
   // one pass; the pair's staged weights are reread from L2 per slice).
