@@ -10,7 +10,8 @@
 //
 // A decoder (src/methods/<method>/<method>.h, listed in src/methods/decoders.h) is a struct with
 //   kMethod  its row of kMethodTable (packed bytes per group, activations it reads);
-//   kCodes   what its packed weights are (Codes below);
+//   Codes    the code layout of its packed weights (codes.h: their bit width, the value of each
+//            code, and their lane operations in each kernel family);
 //   template <class L> std::pair<L::F, L::F> scales(block, n0): the scale ws and offset wm of
 //            channels n0 .. n0 + L::kCount - 1 of one group, from the group's scale block, where L
 //            is an ISA's lanes (<isa>/lanes.h: 1, 8 or 16 fp32 values and the loads of each scale
@@ -24,50 +25,13 @@
 #include <cstdint>
 #include <utility>
 
+#include "codes.h"
 #include "kt/quant_types.h"
 
 namespace kt::kernels {
 
-// What a decoder's packed weight values are.
-enum class Codes {
-  kOffsetBytes,  // one byte a weight, u = q + 128 (INT8)
-  kIntNibbles,   // INT4's nibble layout, the integer q = u
-  kE2m1Nibbles,  // INT4's nibble layout, e2m1 codes (the FP4 methods)
-};
-// Whether a decoder's packed weights are INT4's nibbles (else INT8's bytes).
-template <class D>
-inline constexpr bool kNibbles = D::kCodes != Codes::kOffsetBytes;
-// Whether its nibbles are codes looked up in a table (kE2m1Twice) rather than integers. Twice the
-// e2m1 values are the integers -12..12, so these methods run the integer A16 kernels exactly, with
-// half the scale.
-template <class D>
-inline constexpr bool kLookupNibbles = D::kCodes == Codes::kE2m1Nibbles;
-inline constexpr int8_t kE2m1Twice[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
-
 // A group's scales ws and offsets wm in an ISA's lanes L.
 template <class L>
 using ScalePair = std::pair<typename L::F, typename L::F>;
-
-// The signed weight a packed byte u stands for: INT8's q = u - 128, the nibbles' u, or its code's
-// value.
-template <class D>
-inline int weight_value(uint8_t u) {
-  if constexpr (kLookupNibbles<D>) return kE2m1Twice[u];
-  if constexpr (kNibbles<D>) return u;
-  return int{u} - 128;
-}
-
-// Packed byte u of channel n, K-value k (0 <= k < group) of one group's weight block.
-template <class D>
-inline uint8_t packed_weight(const uint8_t* w, int group, int n, int k) {
-  const int r = k / 4, j = k % 4;
-  if constexpr (!kNibbles<D>) {
-    return w[(r * kPanelWidth + n) * 4 + j];
-  } else {
-    const int half = group / 8;
-    if (r < half) return w[(r * kPanelWidth + n) * 4 + j] & 0x0f;
-    return w[((r - half) * kPanelWidth + n) * 4 + j] >> 4;
-  }
-}
 
 }  // namespace kt::kernels

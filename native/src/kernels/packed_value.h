@@ -23,9 +23,10 @@ inline float packed_value(const uint8_t* g, int group, int n, int k) {
     return scale * e4m3_to_float(g[fp8::packed_offset(k / 2, n, k % 2)]);
   } else {
     using D = typename DecoderFor<M>::type;
+    using C = typename D::Codes;
     const auto [scale, offset] = D::template scales<scalar::Lanes>(g + group_weight_bytes(M, group), n);
-    const float q = static_cast<float>(weight_value<D>(packed_weight<D>(g, group, n, k)));
-    return scale * q + (kNibbles<D> ? offset : 0.0f);
+    const float q = static_cast<float>(code_value<C>(packed_code<C>(g, group, n, k)));
+    return scale * q + value_offset<C>(offset);
   }
 }
 

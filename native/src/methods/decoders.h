@@ -43,4 +43,8 @@ KT_Q8_DECODERS(KT_DECODER_FOR)
 KT_A16_DECODERS(KT_DECODER_FOR)
 #undef KT_DECODER_FOR
 
+#define KT_HAS_INT8_INPUT(D) static_assert(D::Codes::kInt8Input, #D "'s codes have no int8-input kernel");
+KT_Q8_DECODERS(KT_HAS_INT8_INPUT)
+#undef KT_HAS_INT8_INPUT
+
 }  // namespace kt

@@ -17,41 +17,29 @@
 #include <vector>
 
 #include "../epilogue.h"
+#include "codes-inl.h"
 #include "kt/quant_types.h"
 #include "tile_config.h"
 
 namespace kt::kernels::KT_AMX_NAMESPACE {
 
-// B tile rows (group / 4 rows of 64 bytes) of one packed panel group, in L1: INT4 unpacked from
-// nibbles, INT8 made signed. Tile loads straight from DRAM stalled AMX (INT8 ran at half INT4's speed);
-// vector loads stream with the hardware prefetcher, helped by a prefetch four groups ahead (two
-// groups ahead: the INT8 kernel alone ran at x0.92-0.96, 32-128 rows).
+// B tile rows (group / 4 rows of 64 bytes) of one packed panel group, in L1: the values of its
+// codes (INT4's nibbles unpacked, INT8's made signed). Tile loads straight from DRAM stalled AMX (INT8 ran at
+// half INT4's speed); vector loads stream with the hardware prefetcher, helped by a prefetch four groups
+// ahead (two groups ahead: the INT8 kernel alone ran at x0.92-0.96, 32-128 rows).
 template <class D>
 inline void stage_group(const uint8_t* w, int group, int64_t gbytes, uint8_t* out) {
   for (int64_t off = 0; off < gbytes; off += 64)
     _mm_prefetch(reinterpret_cast<const char*>(w + 4 * gbytes + off), _MM_HINT_T0);
-  if constexpr (!kNibbles<D>) {
-    const __m512i sign = _mm512_set1_epi8(static_cast<char>(0x80));
-    for (int r = 0; r < group / 4; ++r)
-      _mm512_store_si512(out + r * 64, _mm512_xor_si512(_mm512_loadu_si512(w + r * 64), sign));
-  } else {
-    const __m512i nibble = _mm512_set1_epi8(0x0f);
-    const int half = group / 8;
-    for (int r = 0; r < half; ++r) {
-      const __m512i v = _mm512_loadu_si512(w + r * 64);
-      _mm512_store_si512(out + r * 64, _mm512_and_si512(v, nibble));
-      _mm512_store_si512(out + (r + half) * 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble));
-    }
+  using C = typename D::Codes;
+  const avx512::CodeLanes<C> codes;
+  const int rows = packed_rows<C>(group);
+  for (int r = 0; r < rows; ++r) {
+    const __m512i v = _mm512_loadu_si512(w + r * 64);
+    for (int p = 0; p < kParts<C>; ++p)
+      _mm512_store_si512(out + part_row(rows, r, p) * 64, codes.values(v, p));
   }
 }
-
-// C tile += A tile x B tile: s8 x s8 for INT8, s8 x u8 for INT4. A macro: GCC's tile intrinsics
-// paste their tile numbers into the assembly text, so they must be literals.
-#define KT_TILE_DOT(D, c, a, b) \
-  if constexpr (!kNibbles<D>)   \
-    _tile_dpbssd(c, a, b);      \
-  else                          \
-    _tile_dpbsud(c, a, b)
 
 // The base of each block of 32 rows of `a` in the tiled layout (tiled_block), staged in `stage`
 // where the rows are not tiled already.
@@ -81,7 +69,8 @@ inline bool one_scale_per_row(const QuantRows& a, int m, int64_t groups) {
 // a few packed rows at a time (`stage`), so that a kernel can spread it over its tile instructions.
 template <class D>
 class Int4PanelStager {
-  static_assert(D::kCodes == Codes::kIntNibbles);
+  using C = typename D::Codes;
+  static_assert(!kSignedValues<C>, "requantizes unsigned integer codes");
 
  public:
   Int4PanelStager() = default;
@@ -89,7 +78,7 @@ class Int4PanelStager {
       : panel_(panel),
         out_(out),
         group_(group),
-        half_(group / 8),
+        rows_(packed_rows<C>(group)),
         groups_(K / group),
         gbytes_(group_bytes(D::kMethod, group)),
         wbytes_(group_weight_bytes(D::kMethod, group)) {
@@ -97,7 +86,8 @@ class Int4PanelStager {
     for (int64_t g = 0; g < groups_; ++g) {
       __m512 ws, wm;
       scales_of(g, ws, wm);
-      const __m512 top = _mm512_add_ps(wm, _mm512_mul_ps(_mm512_set1_ps(15.0f), ws));
+      const __m512 top =
+          _mm512_add_ps(wm, _mm512_mul_ps(_mm512_set1_ps(static_cast<float>((1 << C::kBits) - 1)), ws));
       peak = _mm512_max_ps(peak, _mm512_max_ps(_mm512_abs_ps(wm), _mm512_abs_ps(top)));
     }
     _mm512_storeu_ps(channel_scale, _mm512_div_ps(peak, _mm512_set1_ps(127.0f)));
@@ -105,19 +95,18 @@ class Int4PanelStager {
     fixed_ = _mm512_maskz_div_ps(live, _mm512_set1_ps(127.0f * 256.0f), peak);
   }
 
-  int64_t rows_left() const { return (groups_ - g_) * half_ - r_; }
+  int64_t rows_left() const { return (groups_ - g_) * rows_ - r_; }
 
-  // The next n packed rows (64 bytes: two B-tile rows, the low and the high nibbles), fewer at the end.
+  // The next n packed rows (64 bytes: a B-tile row per part), fewer at the end.
   void stage(int64_t n) {
     for (; n > 0 && g_ < groups_; --n) {
       if (r_ == 0) start_group();
       const __m512i v = _mm512_loadu_si512(panel_ + g_ * gbytes_ + r_ * 64);
-      const __m512i nibble = _mm512_set1_epi8(0x0f);
+      const avx512::CodeLanes<C> codes;
       uint8_t* dst = out_ + g_ * group_ / 4 * 64;
-      _mm512_store_si512(dst + r_ * 64, requantize(_mm512_and_si512(v, nibble)));
-      _mm512_store_si512(dst + (r_ + half_) * 64,
-                         requantize(_mm512_and_si512(_mm512_srli_epi16(v, 4), nibble)));
-      if (++r_ == half_) r_ = 0, ++g_;
+      for (int p = 0; p < kParts<C>; ++p)
+        _mm512_store_si512(dst + part_row(rows_, r_, p) * 64, requantize(codes.codes(v, p)));
+      if (++r_ == rows_) r_ = 0, ++g_;
     }
   }
 
@@ -151,7 +140,7 @@ class Int4PanelStager {
 
   const uint8_t* panel_ = nullptr;
   uint8_t* out_ = nullptr;
-  int group_ = 0, half_ = 0;
+  int group_ = 0, rows_ = 0;
   int64_t groups_ = 0, gbytes_ = 0, wbytes_ = 0;
   int64_t g_ = 0;
   int r_ = 0;
@@ -159,19 +148,22 @@ class Int4PanelStager {
   __m512i a_lo_, a_hi_, b_lo_, b_hi_;
 };
 
-// One INT8 panel whose rows have one scale over all of K (every group's scale block alike: the
-// directories kt-kernel wrote) as signed int8 B-tile rows, q = u - 128, with that scale per channel.
-// The same interface as Int4PanelStager; nothing to requantize.
+// One panel of a layout whose bytes are int8 values (INT8's q = u - 128) and whose rows have one scale
+// over all of K (every group's scale block alike: the directories kt-kernel wrote) as signed int8
+// B-tile rows, with that scale per channel. The same interface as Int4PanelStager; nothing to
+// requantize.
 template <class D>
 class Int8PanelStager {
-  static_assert(D::kCodes == Codes::kOffsetBytes);
+  using C = typename D::Codes;
 
  public:
+  static constexpr bool kApplies = kParts<C> == 1 && kSignedValues<C>;
+
   Int8PanelStager() = default;
   Int8PanelStager(const uint8_t* panel, int64_t K, int group, uint8_t* out, float* channel_scale)
       : panel_(panel),
         out_(out),
-        rows_(group / 4),
+        rows_(packed_rows<C>(group)),
         groups_(K / group),
         gbytes_(group_bytes(D::kMethod, group)) {
     _mm512_storeu_ps(channel_scale,
@@ -182,10 +174,10 @@ class Int8PanelStager {
 
   // The next n packed rows (64 bytes, one B-tile row), fewer at the end.
   void stage(int64_t n) {
-    const __m512i sign = _mm512_set1_epi8(static_cast<char>(0x80));
+    const avx512::CodeLanes<C> codes;
     for (; n > 0 && g_ < groups_; --n) {
       const __m512i v = _mm512_loadu_si512(panel_ + g_ * gbytes_ + r_ * 64);
-      _mm512_store_si512(out_ + (g_ * rows_ + r_) * 64, _mm512_xor_si512(v, sign));
+      _mm512_store_si512(out_ + (g_ * rows_ + r_) * 64, codes.values(v, 0));
       if (++r_ == rows_) r_ = 0, ++g_;
     }
   }
@@ -314,11 +306,12 @@ inline constexpr int kQ8SliceRows = 64;
 template <class D>
 void gemm_q8(int m, int64_t K, int group, const QuantRows& a, const uint8_t* panels, int npanels, float* c,
              int64_t ldc) {
+  using C = typename D::Codes;
   if (m <= 4 || group % 32 != 0) return avx512::gemm_q8<D>(m, K, group, a, panels, npanels, c, ldc);
   if constexpr (method_traits(D::kMethod).gate_up_input_per_row)
     if (m >= kAmxWholeKMinRows && one_scale_per_row(a, m, K / group))
       return gemm_whole_k<D, Int4PanelStager<D>>(m, K, group, a, panels, npanels, c, ldc);
-  if constexpr (D::kCodes == Codes::kOffsetBytes)
+  if constexpr (Int8PanelStager<D>::kApplies)
     if (m >= kAmxInt8WholeKMinRows && one_scale_per_row(a, m, K / group) &&
         rows_share_scale<D>(panels, npanels, K, group))
       return gemm_whole_k<D, Int8PanelStager<D>>(m, K, group, a, panels, npanels, c, ldc);
@@ -379,8 +372,8 @@ void gemm_q8(int m, int64_t K, int group, const QuantRows& a, const uint8_t* pan
         const __m512 dv = _mm512_cvtepi32_ps(_mm512_load_si512(&d[i][16 * h]));
         __m512 s = _mm512_loadu_ps(sums + i * 32 + 16 * h);
         s = _mm512_fmadd_ps(_mm512_mul_ps(dv, pend.ws[h]), sa, s);
-        if constexpr (kNibbles<D>)
-          s = _mm512_fmadd_ps(pend.wm[h], _mm512_set1_ps(a.scaled_sum[r][pend.group]), s);
+        s = avx512::CodeLanes<C>::plus_value_offset(s, pend.wm[h],
+                                                    _mm512_set1_ps(a.scaled_sum[r][pend.group]));
         _mm512_storeu_ps(sums + i * 32 + 16 * h, s);
       }
     }
@@ -422,12 +415,12 @@ void gemm_q8(int m, int64_t K, int group, const QuantRows& a, const uint8_t* pan
             _tile_loadd(7, staged[1] + t * 1024, 64);
           }
           _tile_loadd(4, chunk, 64);
-          KT_TILE_DOT(D, 0, 4, 6);
-          KT_TILE_DOT(D, 1, 4, 7);
+          KT_TILE_DOT_VALUES(C, 0, 4, 6);
+          KT_TILE_DOT_VALUES(C, 1, 4, 7);
           if (lower) {
             _tile_loadd(5, chunk + 16 * 64, 64);
-            KT_TILE_DOT(D, 2, 5, 6);
-            KT_TILE_DOT(D, 3, 5, 7);
+            KT_TILE_DOT_VALUES(C, 2, 5, 6);
+            KT_TILE_DOT_VALUES(C, 3, 5, 7);
           }
         }
         _tile_stored(0, &d[0][0], 128);
@@ -447,7 +440,5 @@ void gemm_q8(int m, int64_t K, int group, const QuantRows& a, const uint8_t* pan
     for (int i = 0; i < m; ++i) std::copy_n(acc.data() + i * 32, width, c + i * ldc + p * kPanelWidth);
   }
 }
-
-#undef KT_TILE_DOT
 
 }  // namespace kt::kernels::KT_AMX_NAMESPACE

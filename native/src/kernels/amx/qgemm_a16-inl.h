@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "../avx512/codes-inl.h"
 #include "../epilogue.h"
 #include "kt/aligned_vector.h"
 #include "tile_config.h"
@@ -16,8 +17,8 @@ namespace kt::kernels::KT_AMX_NAMESPACE {
 
 // Dequantization in three vector steps per 16 weights: a byte permute (VBMI) moves each packed
 // byte to the top of a 32-bit lane in the order the BF16 VNNI row wants; an unsigned conversion
-// makes it u * 2^24 (INT4 nibbles: masked, u * 2^24 or u * 2^28), exactly; one fma with the scale
-// divided by that power of two and the offset gives w = ws * u + wm, rounded once.
+// makes it u * 2^24 (nibbles: masked, u * 2^24 or u * 2^28: CodeLanes::top_code), exactly; one fma
+// with the scale divided by that power of two and the offset gives w = ws * u + wm, rounded once.
 // Two such vectors make one 64-byte BF16 VNNI row with no further shuffle.
 //
 // A packed VNNI row holds channel n's K-values 4r + j in byte 4n + j. BF16 VNNI row 2r + h holds
@@ -46,7 +47,10 @@ struct DequantPermutes {
 // One packed INT8/INT4 panel over K -> the BF16 panel layout (K / 2 rows of 64 bytes).
 template <class D>
 void dequantize_panel(const uint8_t* panel, int64_t K, int group, uint8_t* out) {
+  using C = typename D::Codes;
   static const DequantPermutes perm;
+  const avx512::CodeLanes<C> codes;
+  const int rows = packed_rows<C>(group);
   constexpr __mmask64 kTopBytes = 0x8888888888888888ull;
   const int64_t gbytes = group_bytes(D::kMethod, group), wbytes = group_weight_bytes(D::kMethod, group);
   for (int64_t gi = 0; gi < K / group; ++gi) {
@@ -70,32 +74,21 @@ void dequantize_panel(const uint8_t* panel, int64_t K, int group, uint8_t* out) 
         _mm512_store_si512(dst + h * 64, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
       }
     };
+    __m512 part_scale[kParts<C>][2];
+    for (int p = 0; p < kParts<C>; ++p)
+      for (int hi = 0; hi < 2; ++hi) part_scale[p][hi] = codes.part_scale(scale[hi], p);
     uint8_t* dst = out + gi * group / 2 * 64;
-    if constexpr (!kNibbles<D>) {
-      for (int r = 0; r < group / 4; ++r) {
-        const __m512i v = _mm512_loadu_si512(w + r * 64);
-        __m512i p[2][2];
+    for (int r = 0; r < rows; ++r) {
+      const __m512i v = _mm512_loadu_si512(w + r * 64);
+      __m512i top[2][2];
+      for (int h = 0; h < 2; ++h)
+        for (int hi = 0; hi < 2; ++hi)
+          top[h][hi] = _mm512_maskz_permutexvar_epi8(kTopBytes, perm.idx[h][hi], v);
+      for (int p = 0; p < kParts<C>; ++p) {  // part p: K-row part_row(rows, r, p), 2 BF16 VNNI rows
+        __m512i code[2][2];
         for (int h = 0; h < 2; ++h)
-          for (int hi = 0; hi < 2; ++hi)
-            p[h][hi] = _mm512_maskz_permutexvar_epi8(kTopBytes, perm.idx[h][hi], v);
-        store_rows(p, scale, dst + 2 * r * 64);
-      }
-    } else {  // low nibbles are rows 0 .. half - 1 of the group, high nibbles the rest
-      const int half = group / 8;
-      const __m512i low_nibble = _mm512_set1_epi32(0x0f000000), high_nibble = _mm512_set1_epi32(0xf0000000);
-      const __m512 scale_high[2] = {_mm512_mul_ps(scale[0], _mm512_set1_ps(0x1p-4f)),
-                                    _mm512_mul_ps(scale[1], _mm512_set1_ps(0x1p-4f))};
-      for (int r = 0; r < half; ++r) {
-        const __m512i v = _mm512_loadu_si512(w + r * 64);
-        __m512i p[2][2], lo[2][2], hi[2][2];
-        for (int h = 0; h < 2; ++h)
-          for (int c = 0; c < 2; ++c) {
-            p[h][c] = _mm512_maskz_permutexvar_epi8(kTopBytes, perm.idx[h][c], v);
-            lo[h][c] = _mm512_and_si512(p[h][c], low_nibble);
-            hi[h][c] = _mm512_and_si512(p[h][c], high_nibble);
-          }
-        store_rows(lo, scale, dst + 2 * r * 64);
-        store_rows(hi, scale_high, dst + 2 * (r + half) * 64);
+          for (int hi = 0; hi < 2; ++hi) code[h][hi] = codes.top_code(top[h][hi], p);
+        store_rows(code, part_scale[p], dst + 2 * part_row(rows, r, p) * 64);
       }
     }
   }

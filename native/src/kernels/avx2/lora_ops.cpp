@@ -9,6 +9,7 @@
 #include "../epilogue.h"
 #include "../lora_loops.h"
 #include "../scalar/lanes.h"
+#include "codes-inl.h"
 #include "kt/kernels.h"
 #include "kt/quant_types.h"
 
@@ -39,39 +40,28 @@ void transpose_tile(const uint16_t* src, uint16_t* dst) {
 }
 
 // The scalar decode_tile for the decoded methods (methods/decoders.h) with AVX2, 8 channels a
-// vector: per packed row of 4 K-values, each value = weight_value(code) * scale + offset, rounded to
-// bf16 (to nearest even); the nibbles' 16-entry table is two 8-entry lookups.
+// vector: per packed row of 4 K-values, each value = value(code) * scale + offset (../codes.h),
+// rounded to bf16 (to nearest even).
 template <Method M>
 void decode_tile(const uint8_t* g, int group, int kin, uint16_t* stage) {
   using D = typename DecoderFor<M>::type;
+  using C = typename D::Codes;
   const uint8_t* block = g + group_weight_bytes(M, group);
-  alignas(32) float scale[kPanelWidth], offset[kPanelWidth], table[16];
+  alignas(32) float scale[kPanelWidth], offset[kPanelWidth];
   for (int n = 0; n < kPanelWidth; ++n) {
     const auto [s, o] = D::template scales<scalar::Lanes>(block, n);
     scale[n] = s;
-    offset[n] = kNibbles<D> ? o : 0.0f;
+    offset[n] = value_offset<C>(o);
   }
-  for (int c = 0; c < 16; ++c) table[c] = static_cast<float>(weight_value<D>(static_cast<uint8_t>(c)));
-  const __m256 t_lo = _mm256_load_ps(table), t_hi = _mm256_load_ps(table + 8);
-  const __m256i mask = _mm256_set1_epi32(kNibbles<D> ? 0x0f : 0xff), seven = _mm256_set1_epi32(7);
+  const CodeLanes<C> codes;
   for (int q = 0; q < 4; ++q) {
-    const int k = kin + 4 * q;  // packed row of K-values k..k + 3
-    int row = k / 4, shift = 0;
-    if constexpr (kNibbles<D>)
-      if (k >= group / 2) row -= group / 8, shift = 4;
-    for (int h = 0; h < 2; ++h) {  // channels 8h..8h + 7
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + row * 64 + 32 * h));
+    const RowPart at = row_part<C>(group, (kin + 4 * q) / 4);  // K-values kin + 4q .. + 3
+    for (int h = 0; h < 2; ++h) {                              // channels 8h..8h + 7
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + at.row * 64 + 32 * h));
       const __m256 vs = _mm256_load_ps(scale + 8 * h), vo = _mm256_load_ps(offset + 8 * h);
       __m256i bits[4];
       for (int j = 0; j < 4; ++j) {
-        const __m256i code = _mm256_and_si256(_mm256_srli_epi32(v, 8 * j + shift), mask);
-        __m256 value;
-        if constexpr (kNibbles<D>) {
-          value = _mm256_blendv_ps(_mm256_permutevar8x32_ps(t_lo, code), _mm256_permutevar8x32_ps(t_hi, code),
-                                   _mm256_castsi256_ps(_mm256_cmpgt_epi32(code, seven)));
-        } else {
-          value = _mm256_cvtepi32_ps(_mm256_sub_epi32(code, _mm256_set1_epi32(128)));
-        }
+        const __m256 value = codes.lane_value(codes.lane_code(v, 8 * j + C::kBits * at.part));
         const __m256i b = _mm256_castps_si256(_mm256_fmadd_ps(value, vs, vo));
         const __m256i round = _mm256_add_epi32(
             _mm256_set1_epi32(0x7fff), _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1)));

@@ -1,12 +1,10 @@
 // AVX2 quantized GEMM (the integer methods) without VNNI, on tiles of up to kTileRows rows x one panel
 // (two halves of 8 channels): each weight vector loaded and unpacked serves every row of the tile.
-// vpmaddubsw multiplies unsigned by signed bytes into s16 pair sums, which must not saturate:
-// - INT8: |q| (q = u - 128, |q| <= 128) times the activation carrying q's sign (|a| <= 127):
-//   pairs <= 2 * 128 * 127 < 32767. The dot product is over q itself, so the offset term of
-//   ../epilogue.h drops out.
-// - Nibbles (INT4, RAWINT4, GPTQ_INT4): u <= 15 in both halves, whose two pair sums added in s16
-//   stay <= 4 * 15 * 127.
-// vpmaddwd by ones widens to int32. The fp32 sums live in C (read and written once per group).
+// vpmaddubsw multiplies unsigned by signed bytes into s16 pair sums of the codes' values
+// (codes-inl.h, CodeLanes::pair_sums: signed values as |q| times the activation carrying q's sign,
+// so INT8's dot product is over q itself and the offset term of ../epilogue.h drops out), added
+// over the parts of a packed row in s16. vpmaddwd by ones widens to int32. The fp32 sums live in C
+// (read and written once per group).
 #pragma once
 
 #include <immintrin.h>
@@ -18,6 +16,7 @@
 #include "../activations.h"
 #include "../epilogue.h"
 #include "../tiles.h"
+#include "codes-inl.h"
 #include "kt/kernels.h"
 #include "lanes.h"
 
@@ -30,12 +29,15 @@ inline constexpr int kTileRows = 4;
 template <class D, int kGroup, int kRows>
 inline void gemm_quant_tile(int64_t K, const QuantRows& a, int i0, const uint8_t* panel, float* c,
                             int64_t ldc) {
+  using C = typename D::Codes;
+  constexpr int kPackedRows = packed_rows<C>(kGroup);  // a constant: GCC ignores unroll pragmas on a call
   constexpr int64_t gbytes = group_bytes(D::kMethod, kGroup), wbytes = group_weight_bytes(D::kMethod, kGroup);
   // A step is one chunk of activations (64 K-values) or one group of several chunks, so every
   // activation offset inside it is known at compile time (as in the AVX-512 decode pass; Qwen3
   // layer, Q4_K GGUF, Emerald Rapids: one token x1.02-1.03, 128 tokens x1.07-1.12).
   constexpr int kStepK = kGroup > kChunkBytes ? kGroup : kChunkBytes;
   const __m256i ones = _mm256_set1_epi16(1);
+  const CodeLanes<C> codes;
   // Prefetch ahead of the weight stream into L2 as the AVX-512 kernels do (weight_prefetch_bytes: 4
   // KiB on Intel, none elsewhere): on an Emerald Rapids core, Qwen3 layer, one token, INT4 g32 1.92
   // -> 1.28 ms, INT8 g32 2.78 -> 2.23 ms (the hardware prefetcher alone: 53-56% of the read
@@ -72,36 +74,25 @@ inline void gemm_quant_tile(int64_t K, const QuantRows& a, int i0, const uint8_t
       auto load = [&](int64_t offset) __attribute__((always_inline)) {
         return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + offset));
       };
-      if constexpr (!kNibbles<D>) {
-        const __m256i bias = _mm256_set1_epi8(static_cast<char>(0x80));
 #pragma GCC unroll 32
-        for (int r = 0; r < kGroup / 4; ++r)
-          for (int h = 0; h < 2; ++h) {
-            const __m256i q = _mm256_xor_si256(load(r * 64 + 32 * h), bias);
-            const __m256i magnitude = _mm256_abs_epi8(q);
-            for (int i = 0; i < kRows; ++i)
-              add(i, h, _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(quad(i, g0 + 4 * r), q)));
+      for (int r = 0; r < kPackedRows; ++r)
+        for (int h = 0; h < 2; ++h) {
+          const __m256i v = load(r * 64 + 32 * h);
+          __m256i q[kParts<C>], magnitude[kParts<C>];
+          for (int p = 0; p < kParts<C>; ++p) q[p] = codes.values(v, p), magnitude[p] = codes.magnitude(q[p]);
+          for (int i = 0; i < kRows; ++i) {
+            __m256i pairs = codes.pair_sums(magnitude[0], q[0], quad(i, g0 + part_k<C>(kGroup, r, 0)));
+            for (int p = 1; p < kParts<C>; ++p)
+              pairs = _mm256_add_epi16(
+                  pairs, codes.pair_sums(magnitude[p], q[p], quad(i, g0 + part_k<C>(kGroup, r, p))));
+            add(i, h, pairs);
           }
-      } else {  // low nibbles hold the first half of the group, high nibbles the second
-        const __m256i nibble = _mm256_set1_epi8(0x0f);
-#pragma GCC unroll 16
-        for (int r = 0; r < kGroup / 8; ++r)
-          for (int h = 0; h < 2; ++h) {
-            const __m256i v = load(r * 64 + 32 * h);
-            const __m256i lo = _mm256_and_si256(v, nibble),
-                          hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
-            for (int i = 0; i < kRows; ++i)
-              add(i, h,
-                  _mm256_add_epi16(_mm256_maddubs_epi16(lo, quad(i, g0 + 4 * r)),
-                                   _mm256_maddubs_epi16(hi, quad(i, g0 + kGroup / 2 + 4 * r))));
-          }
-      }
+        }
       for (int h = 0; h < 2; ++h) {
         const auto [ws, wm] = D::template scales<Lanes>(w + wbytes, 8 * h);
         for (int i = 0; i < kRows; ++i) {
           __m256 sum = gi == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(out[i] + 8 * h);
-          if constexpr (kNibbles<D>)  // INT8's dot product is over q itself: no offset term
-            sum = _mm256_fmadd_ps(wm, _mm256_set1_ps(x_sum[i][gi]), sum);
+          sum = codes.plus_value_offset(sum, wm, _mm256_set1_ps(x_sum[i][gi]));
           _mm256_storeu_ps(out[i] + 8 * h,
                            _mm256_fmadd_ps(_mm256_cvtepi32_ps(d[i][h]),
                                            _mm256_mul_ps(ws, _mm256_set1_ps(x_scale[i][gi])), sum));
@@ -115,7 +106,6 @@ inline void gemm_quant_tile(int64_t K, const QuantRows& a, int i0, const uint8_t
 template <class D>
 void gemm_q8(int m, int64_t K, int group, const QuantRows& a, const uint8_t* panels, int npanels, float* c,
              int64_t ldc) {
-  static_assert(!kLookupNibbles<D>, "looked-up nibbles have no int8-input kernel");
   const int64_t stride = panel_bytes(D::kMethod, group, K);
   with_group(group, [&](auto group_size) {
     for_each_tile<kTileRows, 1>(m, npanels, [&](auto rows, auto, int i0, int p) {

@@ -13,6 +13,7 @@
 #include "../epilogue.h"
 #include "../int16_rows.h"
 #include "../tiles.h"
+#include "codes-inl.h"
 #include "qgemm-inl.h"
 
 namespace kt::kernels::avx2 {
@@ -59,18 +60,11 @@ inline void quantize_int16_rows(Int16Rows& rows, const Bf16Rows& a, int m, int64
 template <class D, int kGroup, int kRows>
 inline void gemm_a16_tile(int64_t K, const Int16Rows& a, int i0, const uint8_t* panel, float* c,
                           int64_t ldc) {
+  using C = typename D::Codes;
+  constexpr int kPackedRows = packed_rows<C>(kGroup);
   constexpr int64_t gbytes = group_bytes(D::kMethod, kGroup), wbytes = group_weight_bytes(D::kMethod, kGroup);
   const int64_t groups = K / kGroup;
-  const __m256i low_byte = _mm256_set1_epi16(0x00ff), nibble = _mm256_set1_epi16(0x000f);
-  // Looked-up nibbles: a byte shuffle puts each 16-bit lane's value in its low byte (the high byte
-  // looks up code 0, i.e. 0), and two shifts sign-extend it.
-  const __m256i table =
-      _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kE2m1Twice)));
-  auto decode = [&](__m256i codes) __attribute__((always_inline)) {
-    if constexpr (kLookupNibbles<D>)
-      return _mm256_srai_epi16(_mm256_slli_epi16(_mm256_shuffle_epi8(table, codes), 8), 8);
-    return codes;
-  };
+  const CodeLanes<C> codes;
   const int64_t ahead = prefetch_distance(gbytes);
   for (int64_t gi = 0; gi < groups; ++gi) {
     const uint8_t* w = panel + gi * gbytes;
@@ -86,25 +80,13 @@ inline void gemm_a16_tile(int64_t K, const Int16Rows& a, int i0, const uint8_t* 
         d[i][h] = _mm256_add_epi32(
             d[i][h], _mm256_madd_epi16(wv, _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(x[i] + k))));
     };
-    for (int h = 0; h < 2; ++h) {
-      if constexpr (!kNibbles<D>) {
-        for (int r = 0; r < kGroup / 4; ++r) {
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * 64 + 32 * h));
-          dot(h, _mm256_and_si256(v, low_byte), 4 * r);  // bytes 0, 2
-          dot(h, _mm256_srli_epi16(v, 8), 4 * r + 2);    // bytes 1, 3
-        }
-      } else {  // low nibbles: the group's first half, high nibbles: its second
-        constexpr int half = kGroup / 8;
-        for (int r = 0; r < half; ++r) {
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * 64 + 32 * h));
-          const int lo = 4 * r, hi = 4 * (r + half);
-          dot(h, decode(_mm256_and_si256(v, nibble)), lo);
-          dot(h, decode(_mm256_and_si256(_mm256_srli_epi16(v, 8), nibble)), lo + 2);
-          dot(h, decode(_mm256_and_si256(_mm256_srli_epi16(v, 4), nibble)), hi);
-          dot(h, decode(_mm256_srli_epi16(v, 12)), hi + 2);
-        }
+    for (int h = 0; h < 2; ++h)
+      for (int r = 0; r < kPackedRows; ++r) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * 64 + 32 * h));
+        // 16-bit lanes j: part j / 2, bytes 0, 2 (even j) or 1, 3 (odd j) of each channel.
+        for (int j = 0; j < 2 * kParts<C>; ++j)
+          dot(h, codes.words(v, j), part_k<C>(kGroup, r, j / 2) + 2 * (j % 2));
       }
-    }
     for (int h = 0; h < 2; ++h) {
       const auto [ws, wm] = D::template scales<Lanes>(w + wbytes, 8 * h);
       for (int i = 0; i < kRows; ++i) {

@@ -27,32 +27,24 @@ namespace kt::kernels::avx512 {
 // panels: at 16 rows the int16 passes still win, the decode costing as much as they save).
 inline constexpr int kDecodedMinRows = 17;
 
-// The value of each nibble code: e2m1 for the FP4 methods, the integer itself for the others.
-template <class D>
-inline __m512 code_values() {
-  alignas(64) static constexpr float kE2m1[16] = {0,     0.5f,  1,  1.5f,  2,  3,  4,  6,
-                                                  -0.0f, -0.5f, -1, -1.5f, -2, -3, -4, -6};
-  alignas(64) static constexpr float kInt[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  return _mm512_load_ps(kLookupNibbles<D> ? kE2m1 : kInt);
-}
-
 // One group of a panel's codes -> BF16 packed rows (16 channels x 2 K-values per 64 bytes) at `out`,
-// each value table[code] * mul + add per channel, exact in bf16.
+// each value (the code's value in the decoded prefill, ../codes.h) * mul + add per channel, exact in
+// bf16.
 template <class D, int kGroup>
 inline void decode_group(const uint8_t* w, __m512 mul, __m512 add, uint16_t* out) {
-  const __m512 table = code_values<D>();
-  const __m512i nibble = _mm512_set1_epi32(0x0f);
-  constexpr int half = kGroup / 8;  // rows of 4 K-values in each nibble half
-  for (int r = 0; r < half; ++r) {
+  using C = typename D::Codes;
+  const CodeLanes<C> codes;
+  constexpr int rows = packed_rows<C>(kGroup);
+  for (int r = 0; r < rows; ++r) {
     const __m512i v = _mm512_loadu_si512(w + r * 64);  // lane n: channel n's 4 bytes
-    for (int h = 0; h < 2; ++h) {                      // low nibbles: K 4r.., high: 4(r + half)..
+    for (int h = 0; h < kParts<C>; ++h) {              // part h: K-row part_row(rows, r, h)
       __m256i bf[4];
       for (int j = 0; j < 4; ++j) {
-        const __m512i code = _mm512_and_si512(_mm512_srli_epi32(v, 8 * j + 4 * h), nibble);
-        const __m512 value = _mm512_fmadd_ps(_mm512_permutexvar_ps(code, table), mul, add);
+        const __m512i code = codes.lane_code(v, 8 * j + C::kBits * h);
+        const __m512 value = _mm512_fmadd_ps(codes.lane_decoded(code), mul, add);
         bf[j] = (__m256i)_mm512_cvtneps_pbh(value);
       }
-      uint16_t* row = out + 2 * (r + h * half) * 32;  // the pair rows of K 4r', 4r' + 2
+      uint16_t* row = out + 2 * part_row(rows, r, h) * 32;  // the pair rows of K 4r', 4r' + 2
       for (int j = 0; j < 4; j += 2)
         _mm512_store_si512(row + (j / 2) * 32,
                            _mm512_or_si512(_mm512_cvtepu16_epi32(bf[j]),
@@ -114,15 +106,15 @@ void gemm_int4_decoded(int m, int64_t K, int group, const Bf16Rows& a, const uin
 template <class D>
 void gemm_a16(int m, int64_t K, int group, const Bf16Rows& a, const uint8_t* panels, int npanels, float* c,
               int64_t ldc) {
-  if constexpr (!kNibbles<D> || method_traits(D::kMethod).gate_up_input != Activation::kBf16) {
+  if constexpr (method_traits(D::kMethod).gate_up_input != Activation::kBf16) {
     gemm_quant_a16<D>(m, K, group, a, panels, npanels, c, ldc);
   } else {
     static const bool has_bf16 = cpu_features().avx512_bf16;
     if (m < kDecodedMinRows || !has_bf16) return gemm_quant_a16<D>(m, K, group, a, panels, npanels, c, ldc);
-    if constexpr (kLookupNibbles<D>)
-      gemm_fp4_decoded<D>(m, K, group, a, panels, npanels, c, ldc);
-    else
+    if constexpr (requires { D::template zero_points<Lanes>(nullptr, 0); })
       gemm_int4_decoded<D>(m, K, group, a, panels, npanels, c, ldc);
+    else
+      gemm_fp4_decoded<D>(m, K, group, a, panels, npanels, c, ldc);
   }
 }
 

@@ -9,6 +9,7 @@
 #include "../epilogue.h"
 #include "../lora_loops.h"
 #include "../scalar/lanes.h"
+#include "codes-inl.h"
 #include "kt/kernels.h"
 #include "kt/quant_types.h"
 
@@ -49,32 +50,27 @@ void transpose_tile(const uint16_t* src, uint16_t* dst) {
 }
 
 // The scalar decode_tile for the decoded methods (methods/decoders.h) with AVX-512: per packed row
-// of 4 K-values, 4 vectors of 16 channels' codes, each value = weight_value(code) * scale + offset,
-// rounded to bf16 (to nearest even).
+// of 4 K-values, 4 vectors of 16 channels' codes, each value = value(code) * scale + offset
+// (../codes.h), rounded to bf16 (to nearest even).
 template <Method M>
 void decode_tile(const uint8_t* g, int group, int kin, uint16_t* stage) {
   using D = typename DecoderFor<M>::type;
+  using C = typename D::Codes;
   const uint8_t* block = g + group_weight_bytes(M, group);
-  alignas(64) float scale[kPanelWidth], offset[kPanelWidth], table[16];
+  alignas(64) float scale[kPanelWidth], offset[kPanelWidth];
   for (int n = 0; n < kPanelWidth; ++n) {
     const auto [s, o] = D::template scales<scalar::Lanes>(block, n);
     scale[n] = s;
-    offset[n] = kNibbles<D> ? o : 0.0f;
+    offset[n] = value_offset<C>(o);
   }
-  for (int c = 0; c < 16; ++c) table[c] = static_cast<float>(weight_value<D>(static_cast<uint8_t>(c)));
-  const __m512 vs = _mm512_load_ps(scale), vo = _mm512_load_ps(offset), vt = _mm512_load_ps(table);
-  const __m512i mask = _mm512_set1_epi32(kNibbles<D> ? 0x0f : 0xff);
+  const __m512 vs = _mm512_load_ps(scale), vo = _mm512_load_ps(offset);
+  const CodeLanes<C> codes;
   for (int q = 0; q < 4; ++q) {
-    const int k = kin + 4 * q;  // packed row of K-values k..k + 3
-    int row = k / 4, shift = 0;
-    if constexpr (kNibbles<D>)
-      if (k >= group / 2) row -= group / 8, shift = 4;
-    const __m512i v = _mm512_loadu_si512(g + row * 64);
+    const RowPart at = row_part<C>(group, (kin + 4 * q) / 4);  // K-values kin + 4q .. + 3
+    const __m512i v = _mm512_loadu_si512(g + at.row * 64);
     __m512i bits[4];
     for (int j = 0; j < 4; ++j) {
-      const __m512i code = _mm512_and_si512(_mm512_srli_epi32(v, 8 * j + shift), mask);
-      const __m512 value = kNibbles<D> ? _mm512_permutexvar_ps(code, vt)
-                                       : _mm512_cvtepi32_ps(_mm512_sub_epi32(code, _mm512_set1_epi32(128)));
+      const __m512 value = codes.lane_value(codes.lane_code(v, 8 * j + C::kBits * at.part));
       const __m512i b = _mm512_castps_si512(_mm512_fmadd_ps(value, vs, vo));
       const __m512i round = _mm512_add_epi32(
           _mm512_set1_epi32(0x7fff), _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1)));

@@ -10,6 +10,7 @@
 
 #include "../activations.h"
 #include "../epilogue.h"
+#include "codes-inl.h"
 #include "lanes.h"
 #include "row_blocks-inl.h"
 
@@ -18,6 +19,8 @@ namespace kt::kernels::avx512 {
 // kRows rows of one panel per pass (decode).
 template <class D, int kGroup, int kRows>
 inline void gemm_quant_rows(int64_t K, const QuantRows& a, int i0, const uint8_t* panel, float* const* out) {
+  using C = typename D::Codes;
+  constexpr int kPackedRows = packed_rows<C>(kGroup);  // a constant: GCC ignores unroll pragmas on a call
   // Independent accumulators per row: vpdpbusd has a latency of several cycles, and one chain per
   // row would bound a single-row (decode) pass to ~13 GB/s per core.
   constexpr int kChains = kRows == 1 ? 4 : 2;
@@ -30,7 +33,7 @@ inline void gemm_quant_rows(int64_t K, const QuantRows& a, int i0, const uint8_t
   constexpr int kStepK = kGroup > kChunkBytes ? kGroup : kChunkBytes;
   const int64_t ahead_bytes = prefetch_distance(gbytes);
   const int64_t stride = a.chunk_stride;
-  const __m512i nibble = _mm512_set1_epi8(0x0f);
+  const CodeLanes<C> codes;
   const int8_t* x[kRows];
   const float* x_scale[kRows];
   const float* x_sum[kRows];
@@ -58,29 +61,20 @@ inline void gemm_quant_rows(int64_t K, const QuantRows& a, int i0, const uint8_t
       __m512i d[kRows][kChains];
       for (int i = 0; i < kRows; ++i)
         for (int u = 0; u < kChains; ++u) d[i][u] = _mm512_setzero_si512();
-      if constexpr (!kNibbles<D>) {
+      // Each part of a packed row (its codes' K-range, ../codes.h) goes to a chain of its own.
+      constexpr int kRowsPerStep = kChains / kParts<C>;
 #pragma GCC unroll 32
-        for (int r = 0; r < kGroup / 4; r += kChains)
-          for (int u = 0; u < kChains; ++u) {
-            const __m512i wv = _mm512_loadu_si512(w + (r + u) * 64);
-            for (int i = 0; i < kRows; ++i)
-              d[i][u] = _mm512_dpbusd_epi32(d[i][u], wv, quad(i, g0 + 4 * (r + u)));
-          }
-      } else {
-        // Low nibbles hold the first half of the group, high nibbles the second.
-#pragma GCC unroll 16
-        for (int r = 0; r < kGroup / 8; r += kChains / 2)
-          for (int u = 0; u < kChains / 2; ++u) {
-            const __m512i v = _mm512_loadu_si512(w + (r + u) * 64);
-            const __m512i lo = _mm512_and_si512(v, nibble);
-            const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
-            for (int i = 0; i < kRows; ++i) {
-              d[i][2 * u] = _mm512_dpbusd_epi32(d[i][2 * u], lo, quad(i, g0 + 4 * (r + u)));
-              d[i][2 * u + 1] =
-                  _mm512_dpbusd_epi32(d[i][2 * u + 1], hi, quad(i, g0 + kGroup / 2 + 4 * (r + u)));
+      for (int r = 0; r < kPackedRows; r += kRowsPerStep)
+        for (int u = 0; u < kRowsPerStep; ++u) {
+          const __m512i v = _mm512_loadu_si512(w + (r + u) * 64);
+          __m512i part[kParts<C>];
+          for (int p = 0; p < kParts<C>; ++p) part[p] = codes.codes(v, p);
+          for (int i = 0; i < kRows; ++i)
+            for (int p = 0; p < kParts<C>; ++p) {
+              __m512i& chain = d[i][kParts<C> * u + p];
+              chain = _mm512_dpbusd_epi32(chain, part[p], quad(i, g0 + part_k<C>(kGroup, r + u, p)));
             }
-          }
-      }
+        }
       const auto [ws, wm] = D::template scales<Lanes>(w + wbytes, 0);
       for (int i = 0; i < kRows; ++i) {
         __m512i dsum = d[i][0];
@@ -104,13 +98,15 @@ inline void gemm_quant_rows(int64_t K, const QuantRows& a, int i0, const uint8_t
 template <class D, int kGroup, int kRows, int kPanels>
 __attribute__((noinline)) void gemm_quant_tile(int64_t K, const QuantRows& a, int i0, const uint8_t* panel0,
                                                int64_t panel_stride, float* c, int64_t ldc) {
+  using C = typename D::Codes;
+  constexpr int kPackedRows = packed_rows<C>(kGroup);  // a constant: GCC ignores unroll pragmas on a call
   constexpr int64_t gbytes = group_bytes(D::kMethod, kGroup), wbytes = group_weight_bytes(D::kMethod, kGroup);
   // Steps of one chunk or one group, as in the decode pass: activation offsets known at compile time
   // (Qwen3 layer, 2 threads, Emerald Rapids, groups of 64: AMXINT4 x1.07-1.09 at 128-2,048 rows,
   // AMXINT8 x1.11-1.12 at 512-2,048).
   constexpr int kStepK = kGroup > kChunkBytes ? kGroup : kChunkBytes;
   const int64_t stride = a.chunk_stride;
-  const __m512i nibble = _mm512_set1_epi8(0x0f);
+  const CodeLanes<C> codes;
   const int8_t* x[kRows];
   const float* x_scale[kRows];
   const float* x_sum[kRows];
@@ -140,25 +136,13 @@ __attribute__((noinline)) void gemm_quant_tile(int64_t K, const QuantRows& a, in
           for (int p = 0; p < kPanels; ++p) d[i][p] = _mm512_dpbusd_epi32(d[i][p], wv[p], xv);
         }
       };
-      if constexpr (!kNibbles<D>) {
 #pragma GCC unroll 32
-        for (int r = 0; r < kGroup / 4; ++r) {
+      for (int r = 0; r < kPackedRows; ++r)
+        for (int part = 0; part < kParts<C>; ++part) {
           __m512i wv[kPanels];
-          for (int p = 0; p < kPanels; ++p) wv[p] = _mm512_loadu_si512(w[p] + r * 64);
-          dot(wv, g0 + 4 * r);
+          for (int p = 0; p < kPanels; ++p) wv[p] = codes.codes(_mm512_loadu_si512(w[p] + r * 64), part);
+          dot(wv, g0 + part_k<C>(kGroup, r, part));
         }
-      } else {  // low nibbles hold the first half of the group, high nibbles the second
-#pragma GCC unroll 16
-        for (int r = 0; r < kGroup / 8; ++r) {
-          __m512i wv[kPanels];
-          for (int p = 0; p < kPanels; ++p)
-            wv[p] = _mm512_and_si512(_mm512_loadu_si512(w[p] + r * 64), nibble);
-          dot(wv, g0 + 4 * r);
-          for (int p = 0; p < kPanels; ++p)
-            wv[p] = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(w[p] + r * 64), 4), nibble);
-          dot(wv, g0 + kGroup / 2 + 4 * r);
-        }
-      }
       for (int p = 0; p < kPanels; ++p) {
         const auto [ws, wm] = D::template scales<Lanes>(w[p] + wbytes, 0);
         for (int i = 0; i < kRows; ++i) {
@@ -183,7 +167,6 @@ inline constexpr int kMaxRowBlockRows = 8;
 template <class D>
 void gemm_q8(int m, int64_t K, int group, const QuantRows& a, const uint8_t* panels, int npanels, float* c,
              int64_t ldc) {
-  static_assert(!kLookupNibbles<D>, "looked-up nibbles have no int8-input kernel");
   const int64_t stride = panel_bytes(D::kMethod, group, K);
   with_group(group, [&](auto group_size) {
     constexpr int kGroup = decltype(group_size)::value;

@@ -18,6 +18,7 @@
 #include "../activations.h"
 #include "../epilogue.h"
 #include "../int16_rows.h"
+#include "codes-inl.h"
 #include "lanes.h"
 #include "qgemm-inl.h"
 #include "row_blocks-inl.h"
@@ -59,28 +60,15 @@ inline void quantize_int16_rows(Int16Rows& rows, const Bf16Rows& a, int m, int64
     }
 }
 
-// kE2m1Twice as 32 int16 lanes (codes index the first 16) for the lookup methods, else unused.
-template <class D>
-inline __m512i lookup_table() {
-  if constexpr (!kLookupNibbles<D>) return _mm512_setzero_si512();
-  alignas(64) int16_t t[32] = {};
-  for (int i = 0; i < 16; ++i) t[i] = kE2m1Twice[i];
-  return _mm512_load_si512(t);
-}
-
 template <class D, int kGroup, int kRows>
 inline void gemm_a16_rows(int64_t K, const Int16Rows& a, int i0, const uint8_t* panel, float* const* out) {
+  using C = typename D::Codes;
+  constexpr int kPackedRows = packed_rows<C>(kGroup);
   constexpr int kChains = kRows == 1 ? 4 : 2;  // vpdpwssd latency
   const int64_t groups = K / kGroup;
   const int64_t gbytes = group_bytes(D::kMethod, kGroup), wbytes = group_weight_bytes(D::kMethod, kGroup);
   const int64_t ahead_bytes = prefetch_distance(gbytes);
-  const __m512i low_byte = _mm512_set1_epi16(0x00ff), nibble = _mm512_set1_epi16(0x000f);
-  // Looked-up nibbles: 16-bit lanes holding codes 0..15 become their int16 values (vpermw).
-  const __m512i table = lookup_table<D>();
-  auto decode = [&](__m512i codes) __attribute__((always_inline)) {
-    if constexpr (kLookupNibbles<D>) return _mm512_permutexvar_epi16(codes, table);
-    return codes;
-  };
+  const CodeLanes<C> codes;
   __m512 acc[kRows];
   __m512i d[kRows][kChains];
   for (int i = 0; i < kRows; ++i) acc[i] = _mm512_setzero_ps();
@@ -103,22 +91,11 @@ inline void gemm_a16_rows(int64_t K, const Int16Rows& a, int i0, const uint8_t* 
       for (int i = 0; i < kRows; ++i) xk[i] = x[i] + k;
       return xk;
     };
-    if constexpr (!kNibbles<D>) {
-      for (int r = 0; r < kGroup / 4; ++r) {
-        const __m512i v = _mm512_loadu_si512(w + r * 64);
-        dot(_mm512_and_si512(v, low_byte), at(4 * r), 2 * r);    // bytes 0, 2
-        dot(_mm512_srli_epi16(v, 8), at(4 * r + 2), 2 * r + 1);  // bytes 1, 3
-      }
-    } else {  // low nibbles: the group's first half, high nibbles: its second
-      const int half = kGroup / 8;
-      for (int r = 0; r < half; ++r) {
-        const __m512i v = _mm512_loadu_si512(w + r * 64);
-        const int lo = 4 * r, hi = 4 * (r + half);
-        dot(decode(_mm512_and_si512(v, nibble)), at(lo), 0);
-        dot(decode(_mm512_and_si512(_mm512_srli_epi16(v, 8), nibble)), at(lo + 2), 1);
-        dot(decode(_mm512_and_si512(_mm512_srli_epi16(v, 4), nibble)), at(hi), 2);
-        dot(decode(_mm512_srli_epi16(v, 12)), at(hi + 2), 3);
-      }
+    for (int r = 0; r < kPackedRows; ++r) {
+      const __m512i v = _mm512_loadu_si512(w + r * 64);
+      // 16-bit lanes j: part j / 2, bytes 0, 2 (even j) or 1, 3 (odd j) of each channel.
+      for (int j = 0; j < 2 * kParts<C>; ++j)
+        dot(codes.words(v, j), at(part_k<C>(kGroup, r, j / 2) + 2 * (j % 2)), 2 * kParts<C> * r + j);
     }
     const auto [ws, wm] = D::template scales<Lanes>(w + wbytes, 0);
     for (int i = 0; i < kRows; ++i) {

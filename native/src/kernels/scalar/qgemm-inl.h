@@ -13,7 +13,7 @@ namespace kt::kernels::scalar {
 template <class D>
 void gemm_q8(int m, int64_t K, int group, const QuantRows& a, const uint8_t* panels, int npanels, float* c,
              int64_t ldc) {
-  static_assert(!kLookupNibbles<D>, "looked-up nibbles have no int8-input kernel");
+  using C = typename D::Codes;
   const int64_t pbytes = panel_bytes(D::kMethod, group, K);
   const int64_t gbytes = group_bytes(D::kMethod, group);
   const int64_t wbytes = group_weight_bytes(D::kMethod, group);
@@ -27,7 +27,7 @@ void gemm_q8(int m, int64_t K, int group, const QuantRows& a, const uint8_t* pan
         for (int n = 0; n < kPanelWidth; ++n) {
           int32_t d = 0;
           for (int k = 0; k < group; ++k)
-            d += int32_t{*quant_at(a, i, gi * group + k)} * packed_weight<D>(w, group, n, k);
+            d += int32_t{*quant_at(a, i, gi * group + k)} * packed_code<C>(w, group, n, k);
           const auto [ws, wm] = D::template scales<Lanes>(w + wbytes, n);
           acc[n] += static_cast<float>(d) * (sa * ws) + ssum * wm;
         }

@@ -10,11 +10,12 @@
 
 namespace kt::kernels::scalar {
 
-// Quantized weights, bf16 activations: per group, ws * sum(h * q) (+ wm * sum(h) for nibbles), with
-// INT8's q = u - 128 taken signed so that nothing cancels.
+// Quantized weights, bf16 activations: per group, ws * sum(h * value(u)) + wm * sum(h) (../codes.h:
+// none where value(u) holds the offset, as INT8's q = u - 128, taken signed so that nothing cancels).
 template <class D>
 void gemm_a16(int m, int64_t K, int group, const Bf16Rows& a, const uint8_t* panels, int npanels, float* c,
               int64_t ldc) {
+  using C = typename D::Codes;
   const int64_t pbytes = panel_bytes(D::kMethod, group, K);
   const int64_t gbytes = group_bytes(D::kMethod, group);
   const int64_t wbytes = group_weight_bytes(D::kMethod, group);
@@ -29,12 +30,12 @@ void gemm_a16(int m, int64_t K, int group, const Bf16Rows& a, const uint8_t* pan
         for (int n = 0; n < kPanelWidth; ++n) {
           float d = 0.0f;
           for (int k = 0; k < group; ++k) {
-            const int q = weight_value<D>(packed_weight<D>(w, group, n, k));
+            const int q = code_value<C>(packed_code<C>(w, group, n, k));
             d += bf16_to_float(*bf16_at(a, i, gi * group + k)) * static_cast<float>(q);
           }
           const auto [ws, wm] = D::template scales<Lanes>(w + wbytes, n);
           acc[n] += ws * d;
-          if constexpr (kNibbles<D>) acc[n] += wm * hsum;
+          acc[n] = plus_value_offset<C>(acc[n], wm, hsum);
         }
       }
       for (int n = 0; n < kPanelWidth; ++n) c[i * ldc + p * kPanelWidth + n] = acc[n];

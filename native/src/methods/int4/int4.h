@@ -12,7 +12,7 @@ namespace kt {
 
 struct Int4Decoder {
   static constexpr Method kMethod = Method::kInt4;
-  static constexpr kernels::Codes kCodes = kernels::Codes::kIntNibbles;
+  using Codes = kernels::IntNibbles;
   template <class L>
   static kernels::ScalePair<L> scales(const uint8_t* block, int n0) {
     return {L::fp16(block + 2 * n0), L::fp16(block + 2 * kPanelWidth + 2 * n0)};

@@ -28,7 +28,7 @@ namespace kt {
 // RAWINT4: w = ws * (q - 8), the bf16 scale per group.
 struct RawInt4Decoder {
   static constexpr Method kMethod = Method::kRawInt4;
-  static constexpr kernels::Codes kCodes = kernels::Codes::kIntNibbles;
+  using Codes = kernels::IntNibbles;
   template <class L>
   static typename L::F zero_points(const uint8_t*, int) {
     return L::set1(-float{method_traits(kMethod).weight_zero});
@@ -43,7 +43,7 @@ struct RawInt4Decoder {
 // GPTQ_INT4: w = ws * (q - zero), the fp16 scale then the fp16 -zero per channel.
 struct GptqInt4Decoder {
   static constexpr Method kMethod = Method::kGptqInt4;
-  static constexpr kernels::Codes kCodes = kernels::Codes::kIntNibbles;
+  using Codes = kernels::IntNibbles;
   template <class L>
   static typename L::F zero_points(const uint8_t* block, int n0) {
     return L::fp16(block + 2 * kPanelWidth + 2 * n0);

@@ -11,7 +11,7 @@ namespace kt {
 
 struct Int8Decoder {
   static constexpr Method kMethod = Method::kInt8;
-  static constexpr kernels::Codes kCodes = kernels::Codes::kOffsetBytes;
+  using Codes = kernels::OffsetBytes;
   template <class L>
   static kernels::ScalePair<L> scales(const uint8_t* block, int n0) {
     const auto ws = L::fp16(block + 2 * n0);

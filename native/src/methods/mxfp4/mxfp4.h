@@ -23,7 +23,7 @@ namespace kt {
 // w = 2^(e - 127) * e2m1: the codes are looked up as twice their value, so the scale is halved.
 struct Mxfp4Decoder {
   static constexpr Method kMethod = Method::kMxfp4;
-  static constexpr kernels::Codes kCodes = kernels::Codes::kE2m1Nibbles;
+  using Codes = kernels::E2m1Nibbles;
   static constexpr bool kMatrixScale = false;
   template <class L>
   static typename L::F block_scales(const uint8_t* block, int n0) {

@@ -25,7 +25,7 @@ namespace kt {
 // the codes are looked up as twice their value, so the scale is halved.
 struct Nvfp4Decoder {
   static constexpr Method kMethod = Method::kNvfp4;
-  static constexpr kernels::Codes kCodes = kernels::Codes::kE2m1Nibbles;
+  using Codes = kernels::E2m1Nibbles;
   static constexpr bool kMatrixScale = true;
   static float matrix_scale(const uint8_t* block) {
     float g;
