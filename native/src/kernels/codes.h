@@ -10,8 +10,9 @@
 // p is K-value 4 * (r + p * packed_rows(group)) + j.
 //
 // A code u stands for the integer value(u): u - kBias, or kCodebook[u]. A decoder's offset wm is
-// relative to u (w = ws * u + wm); a kernel that multiplies value(u) rather than u adds the offset
-// only where there is no bias, which holds it (INT8: wm = -128 ws): plus_value_offset.
+// relative to the code (w = ws * u + wm, or ws * kCodebook[u] + wm); a kernel that multiplies
+// value(u) rather than u adds the offset only where there is no bias, which holds it (INT8:
+// wm = -128 ws): plus_value_offset.
 #pragma once
 
 #include <cstdint>

@@ -27,16 +27,22 @@ bool has_avx512_bf16_vbmi(const CpuFeatures& f) {
 }
 
 constexpr MethodOps kOps[kNumMethods] = {
-    {pack_group_bf16, quantize_rows_rowwise},        // BF16
-    {pack_group_int8, quantize_rows_rowwise},        // AMXINT8
-    {pack_group_int4, quantize_rows_rowwise},        // AMXINT4
-    {fp8::pack_group, fp8::quantize_rows},           // FP8
-    {fp8::pack_group, fp8::quantize_rows},           // FP8_PERCHANNEL
-    {int4_checkpoint::pack_group_rawint4, nullptr},  // RAWINT4
-    {int4_checkpoint::pack_group_gptq, nullptr},     // GPTQ_INT4
-    {mxfp4::pack_group, nullptr},                    // MXFP4
-    {nvfp4::pack_group, nullptr},                    // NVFP4
+    {.method = Method::kBf16, .pack_group = pack_group_bf16, .quantize_rows = quantize_rows_rowwise},
+    {.method = Method::kInt8, .pack_group = pack_group_int8, .quantize_rows = quantize_rows_rowwise},
+    {.method = Method::kInt4, .pack_group = pack_group_int4, .quantize_rows = quantize_rows_rowwise},
+    {.method = Method::kFp8, .pack_group = fp8::pack_group, .quantize_rows = fp8::quantize_rows},
+    {.method = Method::kFp8PerChannel, .pack_group = fp8::pack_group, .quantize_rows = fp8::quantize_rows},
+    {.method = Method::kRawInt4, .pack_group = int4_checkpoint::pack_group_rawint4, .quantize_rows = nullptr},
+    {.method = Method::kGptqInt4, .pack_group = int4_checkpoint::pack_group_gptq, .quantize_rows = nullptr},
+    {.method = Method::kMxfp4, .pack_group = mxfp4::pack_group, .quantize_rows = nullptr},
+    {.method = Method::kNvfp4, .pack_group = nvfp4::pack_group, .quantize_rows = nullptr},
 };
+constexpr bool ops_follow_enum() {
+  for (int i = 0; i < kNumMethods; ++i)
+    if (static_cast<int>(kOps[i].method) != i) return false;
+  return true;
+}
+static_assert(ops_follow_enum(), "kOps' rows must follow Method's order");
 
 // Per method in ascending ISA order: a higher family's row replaces a lower one's where usable.
 namespace k = kernels;

@@ -14,6 +14,7 @@
 namespace kt {
 
 struct MethodOps {
+  Method method;
   // Group `gi` of the panel whose first channel is packed row n0 of `region`, into `dst`
   // (group_bytes(method, group) long); anything past the source is zero.
   void (*pack_group)(const CanonicalMatrix& src, const PackRegion& region, int64_t n0, int64_t gi,

@@ -102,7 +102,8 @@ void gemm_int4_decoded(int m, int64_t K, int group, const Bf16Rows& a, const uin
 }
 
 // The A16 GEMM of every decoded method: the int16 passes, and for the nibble methods that read
-// bf16 activations only, the decoded tiles from kDecodedMinRows rows (on CPUs with AVX-512 BF16).
+// bf16 activations only, the decoded tiles from kDecodedMinRows rows (on CPUs with AVX-512 BF16):
+// q - zero where the decoder has zero points, else code value times its block scale.
 template <class D>
 void gemm_a16(int m, int64_t K, int group, const Bf16Rows& a, const uint8_t* panels, int npanels, float* c,
               int64_t ldc) {
