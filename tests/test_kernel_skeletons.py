@@ -17,7 +17,7 @@ LAYOUT_FILES = {"codes.h", "codes-inl.h"}
 # The layouts and the flags the skeletons used to test: never named in a skeleton.
 NAMES = re.compile(r"\b(OffsetBytes|IntNibbles|E2m1Nibbles|kNibbles|kLookupNibbles|kE2m1Twice)\b|Codes::k")
 # A layout's data (bit width, bias, codebook, ...) is fine as a bound or a shift, never as a branch.
-LAYOUT_DATA = re.compile(r"\b(kBits|kBias|kCodebook|kSignedValues|kInt8Input|kParts|kDecoded)\b")
+LAYOUT_DATA = re.compile(r"\b(kBits|kBias|kCodebook|kHasCodebook|kSignedValues|kInt8Input|kParts|kDecoded)\b")
 BRANCH = re.compile(r"\bif\b|\?")
 
 

@@ -29,6 +29,7 @@ inline constexpr int8_t kE2m1Twice[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3
 struct OffsetBytes {
   static constexpr int kBits = 8;
   static constexpr int kBias = 128;
+  static constexpr bool kHasCodebook = false;
   static constexpr const int8_t* kCodebook = nullptr;
   static constexpr bool kInt8Input = true;  // has an int8-activation kernel in every family
 };
@@ -37,6 +38,7 @@ struct OffsetBytes {
 struct IntNibbles {
   static constexpr int kBits = 4;
   static constexpr int kBias = 0;
+  static constexpr bool kHasCodebook = false;
   static constexpr const int8_t* kCodebook = nullptr;
   static constexpr bool kInt8Input = true;
   // Each code's value in the decoded prefill (avx512/decoded_prefill-inl.h).
@@ -47,6 +49,9 @@ struct IntNibbles {
 struct E2m1Nibbles {
   static constexpr int kBits = 4;
   static constexpr int kBias = 0;
+  // A flag beside the pointer: GCC does not fold `kCodebook != nullptr` to a constant under
+  // -fsanitize=undefined.
+  static constexpr bool kHasCodebook = true;
   static constexpr const int8_t* kCodebook = kE2m1Twice;
   static constexpr bool kInt8Input = false;  // looked-up codes: A16 kernels only
   // The e2m1 values themselves: the decoded prefill scales them by the decoder's block_scales.
@@ -60,7 +65,7 @@ inline constexpr int kParts = 8 / C::kBits;
 
 // Whether value(u) can be negative (else it is u itself).
 template <class C>
-inline constexpr bool kSignedValues = C::kBias != 0 || C::kCodebook != nullptr;
+inline constexpr bool kSignedValues = C::kBias != 0 || C::kHasCodebook;
 
 // Packed rows of 64 bytes per group.
 template <class C>
@@ -83,7 +88,7 @@ constexpr int part_k(int group, int r, int p) {
 // The signed integer value(u) a code stands for.
 template <class C>
 constexpr int code_value(uint8_t u) {
-  if constexpr (C::kCodebook != nullptr) return C::kCodebook[u];
+  if constexpr (C::kHasCodebook) return C::kCodebook[u];
   return int{u} - C::kBias;
 }
 

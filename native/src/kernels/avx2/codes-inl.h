@@ -20,7 +20,7 @@ class CodeLanes {
       : byte_mask_(_mm256_set1_epi8(static_cast<char>(kMask))),
         word_mask_(_mm256_set1_epi16(kMask)),
         lane_mask_(_mm256_set1_epi32(kMask)) {
-    if constexpr (C::kCodebook != nullptr)
+    if constexpr (C::kHasCodebook)
       word_table_ =
           _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(C::kCodebook)));
     if constexpr (C::kBits < 8) {
@@ -32,7 +32,7 @@ class CodeLanes {
 
   // Part p of v as bytes of value(u), for vpmaddubsw (int8-input kernels only).
   __attribute__((always_inline)) __m256i values(__m256i v, int p) const {
-    static_assert(C::kCodebook == nullptr && (C::kBias == 0 || C::kBias == 128));
+    static_assert(!C::kHasCodebook && (C::kBias == 0 || C::kBias == 128));
     if constexpr (C::kBias == 128) {  // q = u - 128: flip the top bit
       return _mm256_xor_si256(v, _mm256_set1_epi8(static_cast<char>(0x80)));
     } else if constexpr (C::kBits == 8) {
@@ -76,7 +76,7 @@ class CodeLanes {
     const int shift = 8 * (j % 2) + C::kBits * (j / 2);
     const __m256i shifted = shift == 0 ? v : _mm256_srli_epi16(v, shift);
     const __m256i u = shift + C::kBits == 16 ? shifted : _mm256_and_si256(shifted, word_mask_);
-    if constexpr (C::kCodebook != nullptr)
+    if constexpr (C::kHasCodebook)
       return _mm256_srai_epi16(_mm256_slli_epi16(_mm256_shuffle_epi8(word_table_, u), 8), 8);
     else
       return u;

@@ -21,7 +21,7 @@ class CodeLanes {
       : byte_mask_(_mm512_set1_epi8(static_cast<char>(kMask))),
         word_mask_(_mm512_set1_epi16(kMask)),
         lane_mask_(_mm512_set1_epi32(kMask)) {
-    if constexpr (C::kCodebook != nullptr) {
+    if constexpr (C::kHasCodebook) {
       alignas(64) int16_t words[32] = {};  // codes index the first 16
       alignas(64) float floats[16];
       for (int i = 0; i < 16; ++i) words[i] = C::kCodebook[i], floats[i] = C::kCodebook[i];
@@ -47,7 +47,7 @@ class CodeLanes {
 
   // Part p as bytes of value(u): signed where kSignedValues (an integer layout only).
   __attribute__((always_inline)) __m512i values(__m512i v, int p) const {
-    static_assert(C::kCodebook == nullptr && (C::kBias == 0 || C::kBias == 128));
+    static_assert(!C::kHasCodebook && (C::kBias == 0 || C::kBias == 128));
     if constexpr (C::kBias == 128)  // q = u - 128: flip the top bit
       return _mm512_xor_si512(v, _mm512_set1_epi8(static_cast<char>(0x80)));
     else
@@ -60,7 +60,7 @@ class CodeLanes {
     const int shift = 8 * (j % 2) + C::kBits * (j / 2);
     const __m512i shifted = shift == 0 ? v : _mm512_srli_epi16(v, shift);
     const __m512i u = shift + C::kBits == 16 ? shifted : _mm512_and_si512(shifted, word_mask_);
-    if constexpr (C::kCodebook != nullptr) return _mm512_permutexvar_epi16(u, word_table_);
+    if constexpr (C::kHasCodebook) return _mm512_permutexvar_epi16(u, word_table_);
     return u;
   }
 
