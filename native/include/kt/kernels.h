@@ -157,8 +157,8 @@ KT_DECLARE_KERNELS(amx_emu)  // the AMX kernels on the tile unit's software mode
 inline constexpr int kAmxWholeKMinRows = 64;
 // AMX INT8 calls of at least this many rows with one activation scale per row over panels whose
 // channels have one scale over all of K (the directories kt-kernel wrote) sum all of K in the tiles:
-// nothing to requantize, so from fewer rows than INT4 (x0.87-0.90 at 8-16 rows, x1.05 at 32, x1.4-3.8 at
-// 64-256 on a Qwen3 gate/up call).
+// nothing to requantize, so from fewer rows than INT4 (a Qwen3 gate/up call, one core, over the group
+// kernel: x1.00-1.03 at 8-16 rows, x1.12 at 32, x1.41 / 2.22 / 2.39 at 64 / 128 / 256).
 inline constexpr int kAmxInt8WholeKMinRows = 32;
 // Element-wise kernels: AMX adds nothing to them, so the AMX table takes AVX-512's.
 #define KT_DECLARE_VECTOR_OPS(ns)                                                                     \
