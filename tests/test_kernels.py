@@ -67,19 +67,8 @@ def _packed(method, group, w):
     else:
         canon = random_canonical(method, N, K, group, seed=N + K)
     third = next((t for t in (canon.mins, canon.zeros, canon.global_scale) if t is not None), None)
-    tensors = [canon.weight, canon.scales, third]
-    packed = torch.zeros(
-        _native.packed_bytes(getattr(_native.Method, method), group, N, K), dtype=torch.uint8
-    )
-    _native.pack_matrix(
-        getattr(_native.Method, method),
-        group,
-        N,
-        K,
-        *(t.data_ptr() if t is not None else 0 for t in tensors),
-        packed.data_ptr(),
-    )
-    return dequantize(method, canon, K, group), packed
+    tensors = [t for t in (canon.weight, canon.scales, third) if t is not None]
+    return dequantize(method, canon, K, group), _pack(method, group, N, K, *tensors)
 
 
 def _inputs(int8_input, m, K, group, seed):
@@ -187,6 +176,7 @@ def _int8_rows_with_one_scale(w, group):
 
 
 def _pack(method, group, N, K, *tensors):
+    """The packed panels of canonical tensors (weight, scales, then mins / zeros / global scale)."""
     packed = torch.zeros(
         _native.packed_bytes(getattr(_native.Method, method), group, N, K), dtype=torch.uint8
     )
